@@ -1,0 +1,33 @@
+"""One error type for everything a user typed wrong, so every front end prints one line."""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad input: a file, line and option the user can go and fix."""
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
+                 option: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.file = file
+        self.line = line
+        self.option = option
+
+    def located(self, *, file: str | None = None, line: int | None = None) -> InputError:
+        """Return the same error with a location filled in where it had none."""
+        return InputError(self.message, file=self.file or file, line=self.line or line,
+                          option=self.option)
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file:
+            where = self.file + (f":{self.line}" if self.line else "") + ": "
+        elif self.line:
+            where = f"line {self.line}: "
+        opt = f"{self.option}: " if self.option else ""
+        return f"{where}{opt}{self.message}"
+
+
+class ConfigError(InputError):
+    """The admin config is unreadable or inconsistent."""

@@ -1,0 +1,236 @@
+"""gsbatch: sbatch with the GPU request put right.
+
+Takes exactly sbatch's arguments plus ``--dry-run``, ``--diff``, ``--explain``,
+``--no-rewrite`` and ``--gs-config=PATH``. The job always reaches sbatch: bad user input is
+refused with sbatch-style one-line errors (exit 1), and any failure of slurmgpu itself falls
+back to submitting the job exactly as written, with a warning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from slurmgpu.config import Config, find_config, load_config
+from slurmgpu.errors import InputError
+from slurmgpu.policy import Decider, Decision, KeepDecider, make_decider
+from slurmgpu.request import JobRequest, build_request
+from slurmgpu.rewrite import Submission, apply, describe
+from slurmgpu.sbatch_options import OptionError, split_options
+from slurmgpu.script import parse_script, read_script
+from slurmgpu.slurm import CliBackend, SlurmBackend
+
+OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
+PASS_THROUGH = {"help", "usage", "version"}
+HELP = """
+gsbatch options (everything else is sbatch's):
+      --dry-run          print the script that would be submitted; submit nothing
+      --diff             print a unified diff of the rewrite; submit nothing
+      --explain          show the decision and its reasons on stderr
+      --no-rewrite       submit exactly as written (as does a '#SLURMGPU keep' line)
+      --gs-config=PATH   slurmgpu config file (default: $SLURMGPU_CONFIG, /etc/slurmgpu/slurmgpu.toml)
+"""
+
+
+@dataclass
+class Invocation:
+    """gsbatch's command line, split into its own flags, sbatch's options, script and args."""
+
+    flags: set[str] = field(default_factory=set)
+    config: str | None = None
+    options: list[str] = field(default_factory=list)
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
+    wrap: bool = False
+    pass_through: bool = False
+
+    def sbatch_words(self, options: Sequence[str] | None = None, script: str | None = None) -> list[str]:
+        words = list(self.options if options is None else options)
+        if self.script is not None or script is not None:
+            words.append(script or self.script or "")
+        return words + self.script_args
+
+
+def parse_invocation(argv: Sequence[str]) -> Invocation:
+    """Split the command line the way sbatch will, taking out gsbatch's own flags.
+
+    Own flags are long options sbatch does not know, so sbatch's own splitting already stops
+    short of the script with them in place; they are removed from what sbatch gets.
+    """
+    inv = Invocation()
+    words = list(argv)
+    try:
+        opts, operand = split_options(words)
+    except OptionError:
+        inv.options, inv.pass_through = words, True  # let sbatch word the error itself
+        return inv
+    own = set()
+    for o in opts:
+        if o.known:
+            continue
+        if o.name in OWN_FLAGS:
+            inv.flags.add(o.name)
+            own.add(o.first)
+        elif o.name == "--gs-config":
+            inv.config = o.value
+            own.add(o.first)
+    inv.options = [w for j, w in enumerate(words[:operand]) if j not in own]
+    names = {o.name for o in opts}
+    inv.wrap = "wrap" in names
+    inv.pass_through = bool(names & PASS_THROUGH)
+    tail = words[operand:]
+    if tail[:1] == [":"]:  # a command-line hetjob: passed on untouched
+        inv.pass_through = True
+        inv.options = inv.options + tail
+        return inv
+    if tail and not inv.wrap:
+        inv.script, inv.script_args = tail[0], tail[1:]
+    else:
+        inv.script_args = tail
+    return inv
+
+
+def _note(stream: TextIO, kind: str, text: str) -> None:
+    print(f"gsbatch: {kind}: {text}", file=stream)
+
+
+def explain_text(request: JobRequest, decision: Decision) -> str:
+    lines = [f"decider: {decision.decider}"]
+    for comp in request.components:
+        lines.append(f"request{f' (component {comp.index})' if request.is_hetjob else ''}: {describe(comp)}")
+    if decision.refusal:
+        lines.append(f"refused: {decision.refusal}")
+    for c in decision.changes:
+        parts = [f"{k}={v}" for k, v in (("gpu_type", c.gpu_type), ("gpus_total", c.gpus_total),
+                                            ("partition", c.partition)) if v is not None]
+        lines.append(f"change (component {c.index}): {', '.join(parts)}")
+    lines.extend(f"reason: {r}" for r in decision.reasons)
+    if not decision.changed and not decision.refusal:
+        lines.append("result: request kept as written")
+    return "\n".join("gsbatch: explain: " + line for line in lines)
+
+
+@dataclass
+class Plan:
+    """What to submit, and what to tell the user about it."""
+
+    request: JobRequest | None
+    decision: Decision
+    submission: Submission
+    stdin: bytes | None = None
+
+
+def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None) -> Plan:
+    """Parse, decide and rewrite; raises InputError for bad user input."""
+    script = None
+    stdin_data = None
+    if not inv.wrap:
+        if inv.script is not None:
+            script = read_script(inv.script)
+        else:
+            stream = stdin if stdin is not None else sys.stdin
+            stdin_data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
+            script = parse_script(stdin_data, "<stdin>")
+    features = getattr(getattr(decider, "config", None), "gpu_features", lambda: set())()
+    request = build_request(script, inv.options, env, features)
+    if "--no-rewrite" in inv.flags or (script is not None and script.keep_marker):
+        why = "--no-rewrite given" if "--no-rewrite" in inv.flags else "the script says '#SLURMGPU keep'"
+        decision = KeepDecider(f"{why}; request kept").decide(request)
+    else:
+        decision = decider.decide(request)
+    return Plan(request, decision, apply(request, decision), stdin_data)
+
+
+def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, str]) -> int:
+    """Hand the plan to sbatch; a rewritten script goes through a private temporary file
+    with the same name, so the job's default name and output file names do not change."""
+    sub = p.submission
+    child_env = {**env, **sub.env_overrides}
+    if not sub.changed:
+        return backend.submit(inv.sbatch_words(), child_env, p.stdin)
+    data = sub.script_text.encode("utf-8", "surrogateescape") if sub.script_text is not None else None
+    if inv.script is None:
+        return backend.submit(inv.sbatch_words(sub.cli_words), child_env, data if p.stdin is not None else None)
+    tmpdir = tempfile.mkdtemp(prefix="gsbatch-")
+    try:
+        path = Path(tmpdir) / Path(inv.script).name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data or b"")
+        return backend.submit(inv.sbatch_words(sub.cli_words, str(path)), child_env)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def load_decider(inv: Invocation, env: Mapping[str, str]) -> Decider:
+    path = find_config(inv.config, env)
+    config: Config | None = load_config(path) if path else None
+    return make_decider(config)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+         backend: SlurmBackend | None = None, decider: Decider | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ if env is None else env)
+    backend = backend or CliBackend()
+    inv = parse_invocation(argv)
+    if inv.pass_through:
+        code = backend.submit(inv.sbatch_words(), env)
+        if {"--help", "-h"} & set(inv.options):
+            print(HELP, end="")
+        return code
+    try:
+        decider = decider or load_decider(inv, env)
+    except InputError as exc:
+        _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")
+        decider = KeepDecider("config unusable")
+    try:
+        p = plan(inv, env, decider)
+    except InputError as exc:
+        _note(sys.stderr, "error", str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - any slurmgpu fault must not stop the job
+        if "--dry-run" in inv.flags or "--diff" in inv.flags:
+            _note(sys.stderr, "error", f"slurmgpu failed: {type(exc).__name__}: {exc}")
+            return 1
+        _note(sys.stderr, "warning", f"slurmgpu failed ({type(exc).__name__}: {exc}); submitting as written")
+        return backend.submit(inv.sbatch_words(), env)
+    if "--explain" in inv.flags and p.request is not None:
+        print(explain_text(p.request, p.decision), file=sys.stderr)
+    if p.decision.refusal:
+        _note(sys.stderr, "error", f"{inv.script or 'job'}: {p.decision.refusal}")
+        return 1
+    sub = p.submission
+    if sub.changed:
+        comp_notes = "; ".join(p.decision.reasons)
+        _note(sys.stderr, "note", f"GPU request changed: {comp_notes}")
+        if sub.cli_words != inv.options or sub.env_overrides:
+            extra = " ".join(sub.cli_words) + "".join(f" {k}={v}" for k, v in sub.env_overrides.items())
+            _note(sys.stderr, "note", f"sbatch options now: {extra.strip()}")
+    if "--dry-run" in inv.flags or "--diff" in inv.flags:
+        original = p.request.script.text if p.request and p.request.script else ""
+        new = sub.script_text if sub.script_text is not None else original
+        out = sys.stdout.buffer
+        if "--diff" in inv.flags:
+            name = inv.script or "<stdin>"
+            diff = difflib.unified_diff(original.splitlines(True), new.splitlines(True), name, name + " (gsbatch)")
+            out.write("".join(diff).encode("utf-8", "surrogateescape"))
+        else:
+            out.write(new.encode("utf-8", "surrogateescape"))
+        out.flush()
+        return 0
+    return submit(inv, p, backend, env)
+
+
+def entry() -> None:
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,144 @@
+"""Slurm behind one small interface: submit a job, and ask what the cluster offers.
+
+The command-line tools are always there and are the tested default. pyslurm is used for
+queries only when it imports and its version matches the running Slurm (its releases are tied
+to one Slurm release). Submission always goes through sbatch itself, so users see sbatch's
+own output and exit codes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+_GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command could not be run or answered nonsense."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    partitions: tuple[str, ...]
+    gpus: Mapping[str, int] = field(default_factory=dict)  # type ("" when untyped) -> count
+    state: str = ""
+
+
+class SlurmBackend(Protocol):
+    name: str
+
+    def version(self) -> str: ...
+
+    def nodes(self) -> list[NodeInfo]: ...
+
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> int: ...
+
+
+def parse_gres(gres: str) -> dict[str, int]:
+    """``gpu:a100:4(S:0),gpu:v100:2`` -> {'a100': 4, 'v100': 2} (other gres dropped)."""
+    out: dict[str, int] = {}
+    if gres in ("", "(null)"):
+        return out
+    for item in re.split(r",(?![^()]*\))", gres):
+        m = _GRES_ITEM.match(item)
+        if m:
+            out[m.group(1) or ""] = out.get(m.group(1) or "", 0) + int(m.group(2))
+    return out
+
+
+class CliBackend:
+    """The Slurm command-line tools (sbatch, sinfo)."""
+
+    name = "cli"
+
+    def __init__(self, sbatch: str = "sbatch", sinfo: str = "sinfo", timeout: float = 10.0) -> None:
+        self.sbatch, self.sinfo, self.timeout = sbatch, sinfo, timeout
+
+    def _run(self, argv: list[str]) -> str:
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False)
+        except FileNotFoundError:
+            raise SlurmError(f"{argv[0]} not found on PATH") from None
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"{argv[0]} did not answer within {self.timeout:g} s") from None
+        if res.returncode != 0:
+            raise SlurmError(f"{' '.join(argv)}: {res.stderr.strip() or 'exit ' + str(res.returncode)}")
+        return res.stdout
+
+    def version(self) -> str:
+        return self._run([self.sinfo, "--version"]).split()[-1]
+
+    def nodes(self) -> list[NodeInfo]:
+        out = self._run([self.sinfo, "-h", "-N", "-o", "%N|%P|%G|%T"])
+        merged: dict[str, NodeInfo] = {}
+        for line in out.splitlines():
+            name, part, gres, state = line.split("|")
+            part = part.rstrip("*")
+            if name in merged:
+                old = merged[name]
+                merged[name] = NodeInfo(name, (*old.partitions, part), old.gpus, old.state)
+            else:
+                merged[name] = NodeInfo(name, (part,), parse_gres(gres), state)
+        return list(merged.values())
+
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> int:
+        """Run sbatch with the terminal's stdout/stderr, so its output is exactly sbatch's."""
+        argv = [self.sbatch, *words]
+        try:
+            return subprocess.run(argv, env=dict(env), input=stdin, check=False).returncode
+        except FileNotFoundError:
+            raise SlurmError(f"{self.sbatch} not found on PATH") from None
+
+
+class PyslurmBackend(CliBackend):
+    """Queries through pyslurm's node API; submission stays with sbatch."""
+
+    name = "pyslurm"
+
+    def __init__(self, module: object) -> None:
+        super().__init__()
+        self.pyslurm = module
+
+    def nodes(self) -> list[NodeInfo]:
+        loaded = self.pyslurm.Nodes.load()  # type: ignore[attr-defined]
+        return [NodeInfo(n.name, tuple(n.partitions or ()), parse_gres(",".join(n.configured_gres or [])
+                         if isinstance(n.configured_gres, list) else _gres_dict(n.configured_gres)), str(n.state))
+                for n in loaded.values()]
+
+
+def _gres_dict(gres: object) -> str:
+    if isinstance(gres, dict):
+        return ",".join(f"{k}:{v}" for k, v in gres.items())
+    return str(gres or "")
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+
+
+def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
+    """pyslurm when asked for (SLURMGPU_BACKEND=pyslurm or auto), importable and matching."""
+    env = os.environ if env is None else env
+    choice = env.get("SLURMGPU_BACKEND", "auto")
+    cli = CliBackend()
+    if choice == "cli" or shutil.which("sinfo") is None:
+        return cli
+    try:
+        import pyslurm  # type: ignore[import-not-found]
+    except ImportError:
+        return cli
+    try:
+        running = cli.version()
+    except SlurmError:
+        return cli
+    theirs = str(getattr(pyslurm, "__version__", ""))
+    if _major_minor(theirs) != _major_minor(running):
+        return cli
+    return PyslurmBackend(pyslurm)

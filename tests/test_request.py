@@ -1,0 +1,72 @@
+"""Normalising every GPU syntax into one request, with sbatch's precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurmgpu.errors import InputError
+from slurmgpu.request import build_request, parse_time
+from slurmgpu.script import parse_script
+
+
+def req(body: str, cli: list[str] | None = None, env: dict[str, str] | None = None):
+    return build_request(parse_script(("#!/bin/bash\n" + body + "srun true\n").encode(), "job.sh"), cli or [], env or {})
+
+
+@pytest.mark.parametrize(("body", "gtype", "total", "per_node"), [
+    ("#SBATCH --gres=gpu:a100:2\n", "a100", 2, 2),
+    ("#SBATCH --gres=gpu:2 -N 3\n", None, 6, 2),
+    ("#SBATCH --gres=gpu\n", None, 1, 1),
+    ("#SBATCH --gres=nvme:1,gpu:v100:4\n", "v100", 4, 4),
+    ("#SBATCH -G t4:3\n", "t4", 3, 3),
+    ("#SBATCH --gpus-per-node=a100:4 --nodes=2-4\n", "a100", 8, 4),
+    ("#SBATCH --gpus-per-task=1 --ntasks=8\n", None, 8, 8),
+    ("#SBATCH --gpus-per-task=1 --ntasks-per-node=4 -N 2\n", None, 8, 4),
+    ("#SBATCH --gpus-per-socket=2 --sockets-per-node=2\n", None, 4, 4),
+    ("#SBATCH --gres=gpu:1 --constraint=a100&ib\n", "a100", 1, 1),
+    ("#SBATCH -c 8\n", None, 0, 0),
+])
+def test_gpu_syntaxes(body: str, gtype: str | None, total: int, per_node: int) -> None:
+    r = req(body)
+    assert (r.gpu_type, r.gpus_total, r.main.gpus_per_node) == (gtype, total, per_node)
+
+
+def test_precedence_cli_over_env_over_script() -> None:
+    body = "#SBATCH -p gpu --gres=gpu:a100:1 -t 10\n"
+    assert req(body).main.partition == "gpu"
+    assert req(body, env={"SBATCH_PARTITION": "gpu-small"}).main.partition == "gpu-small"
+    r = req(body, cli=["-p", "debug"], env={"SBATCH_PARTITION": "gpu-small", "SBATCH_GRES": "gpu:t4:2"})
+    assert r.main.partition == "debug"
+    assert (r.gpu_type, r.gpus_total) == ("t4", 2)
+    assert r.main.options["partition"].origin.source == "cli"
+    assert r.main.options["gres"].origin.variable == "SBATCH_GRES"
+
+
+def test_hetjob_sums_components_and_cli_applies_to_each() -> None:
+    r = req("#SBATCH -c 4\n#SBATCH hetjob\n#SBATCH --gpus=v100:2\n", cli=["-t", "5"])
+    assert r.is_hetjob and r.gpus_total == 2 and r.gpu_type == "v100"
+    assert [c.time_limit_s for c in r.components] == [300, 300]
+
+
+@pytest.mark.parametrize(("body", "fragment", "line"), [
+    ("#SBATCH --gres=gpu:a100:x\n", "--gres: malformed count 'x'", 2),
+    ("#SBATCH -N 1\n#SBATCH --gpus=-1\n", "--gpus: negative GPU count '-1'", 3),
+    ("#SBATCH --gres=gpu:2\n#SBATCH --gpus-per-node=2\n", "--gpus-per-node", 3),
+    ("#SBATCH --gres=gpu:a100:1 --gpus=v100:1\n", "conflicting GPU types", 2),
+    ("#SBATCH --mem=4G --mem-per-cpu=1G\n", "mutually exclusive", 2),
+    ("#SBATCH --time=soon\n", "invalid time limit", 2),
+    ("#SBATCH --nodes=0\n", "invalid node count", 2),
+])
+def test_bad_values_name_file_line_and_option(body: str, fragment: str, line: int) -> None:
+    with pytest.raises(InputError) as err:
+        req(body)
+    assert str(err.value).startswith(f"job.sh:{line}: ")
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("30", 1800), ("5:30", 330), ("1:00:00", 3600), ("2-0", 172800), ("1-2:3", 93780), ("1-2:3:4", 93784),
+    ("UNLIMITED", None),
+])
+def test_time_formats(text: str, seconds: int | None) -> None:
+    assert parse_time(text) == seconds
