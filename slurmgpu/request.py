@@ -203,7 +203,8 @@ class JobRequest:
 
     @property
     def gpu_type(self) -> str | None:
-        types = {t for c in self.components for t in c.gpu_types}
+        """The one type every GPU-requesting component asks for; None when any is untyped or they differ."""
+        types = {c.gpu_type for c in self.components if c.gpus}
         return types.pop() if len(types) == 1 else None
 
     @property

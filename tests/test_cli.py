@@ -1,0 +1,63 @@
+"""The installed commands, run as a user runs them: one-line errors, exit codes, JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def sh(*argv: str, env_config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": f"{BIN}:/usr/bin:/bin"}
+    if env_config:
+        env["SLURMGPU_CONFIG"] = str(env_config)
+    return subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=60, check=False)
+
+
+def test_parse_json_fields(tmp_path: Path) -> None:
+    p = tmp_path / "j.sh"
+    p.write_text("#!/bin/bash\n#SBATCH -N 2 --gpus-per-node=v100:2 -p gpu\n#SBATCH hetjob\n#SBATCH -G 1\n"
+                 "srun x\n#SBATCH --gres=gpu:9\n")
+    res = sh(str(BIN / "slurmgpu"), "parse", str(p), "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert (data["gpu_type"], data["gpus_total"], data["gpus_per_node"], data["nodes"], data["partition"]) == \
+           (None, 5, 2, 2, "gpu")
+    assert [c["gpus_total"] for c in data["components"]] == [4, 1]
+    assert data["ignored_directives"][0]["line"] == 6
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "cannot read: No such file or directory"),
+    (b"\x7fELF\x02\x01\x00\x00binary", "NULL character"),
+    (b"#!/bin/bash\n#SBATCH --gres=gpu:a100:two\n", ":2: --gres: malformed count 'two'"),
+    (b"#!/bin/bash\n#SBATCH --gpus=-4\n", ":2: --gpus: negative GPU count '-4'"),
+    (b"#!/bin/bash\n#SBATCH --gres=gpu:1\n#SBATCH --gpus-per-node=1\n", ":3: --gpus-per-node:"),
+    (b"#!/bin/bash\r\n", "DOS line breaks"),
+])
+@pytest.mark.parametrize("command", [("slurmgpu", "parse"), ("gsbatch", "--dry-run")])
+def test_bad_input_one_line_no_traceback(tmp_path: Path, content: bytes | None, fragment: str,
+                                         command: tuple[str, str], sample_config: Path) -> None:
+    p = tmp_path / "bad.sh"
+    if content is not None:
+        p.write_bytes(content)
+    res = sh(str(BIN / command[0]), command[1], str(p), env_config=sample_config)
+    assert res.returncode == 1
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr
+    assert str(p) in lines[0] and fragment in lines[0]
+
+
+def test_config_check_offline_and_bad(tmp_path: Path, sample_config: Path) -> None:
+    res = sh(str(BIN / "slurmgpu"), "--config", str(sample_config), "config", "check", "--offline")
+    assert res.returncode == 0 and "valid (3 GPU types, 2 partitions)" in res.stdout
+    bad = tmp_path / "c.toml"
+    bad.write_text("[gpu_types.a100]\nmemory_gib = 0\n")
+    res = sh(str(BIN / "slurmgpu"), "--config", str(bad), "config", "check", "--offline")
+    assert res.returncode == 1 and res.stderr.strip().endswith("gpu_types.a100.memory_gib: must be > 0, got 0")

@@ -1,0 +1,49 @@
+"""The admin config: strict validation, and comparison with the live cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurmgpu.cli import compare_with_cluster
+from slurmgpu.config import load_config
+from slurmgpu.errors import ConfigError
+from slurmgpu.slurm import NodeInfo, parse_gres
+
+BASE = """
+[gpu_types.a100]
+memory_gib = 80
+[partitions.gpu]
+gpu_types = ["a100"]
+gpus_per_node = 4
+"""
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    ("[policy]\ndecider = 'magic'\n", "policy.decider: must be one of keep, rules"),
+    ("[policy]\nmin_gain = -1\n", "policy.min_gain: must be >= 0"),
+    ("[partitions.small]\ngpu_types = ['h100']\ngpus_per_node = 1\n", "partitions.small.gpu_types: unknown GPU type 'h100'"),
+    ("[partitions.small]\ngpu_types = ['a100']\ngpus_per_node = 0\n", "partitions.small.gpus_per_node: must be at least 1"),
+    ("[gpu_types.t4]\nmemory_gib = 16\ncolour = 'red'\n", "gpu_types.t4.colour: unknown key"),
+    ("[gpu_types.t4]\nmemory_gib = true\n", "gpu_types.t4.memory_gib: expected"),
+    ("oops = [\n", "invalid TOML"),
+])
+def test_errors_name_the_key(tmp_path: Path, extra: str, fragment: str) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(BASE + extra)
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert str(err.value).startswith(str(p))
+    assert fragment in str(err.value)
+
+
+def test_compare_with_cluster(sample_config: Path) -> None:
+    cfg = load_config(sample_config)
+    nodes = [NodeInfo("n1", ("gpu", "gpu-small"), parse_gres("gpu:a100:4(S:0),gpu:v100:4,gpu:t4:4,nvme:1"))]
+    assert compare_with_cluster(cfg, nodes) == []
+    nodes = [NodeInfo("n1", ("gpu",), parse_gres("gpu:a100:4,gpu:h100:8"))]
+    problems = compare_with_cluster(cfg, nodes)
+    assert "partition gpu: GPU type v100 is configured but no node offers it" in problems
+    assert "partition gpu-small is configured but does not exist in the cluster" in problems
+    assert "partition gpu: the cluster offers GPU type h100, unknown to the config" in problems
