@@ -204,7 +204,7 @@ SlurmctldPidFile=$RUN_SLURM/slurmctld.pid
 SlurmdPidFile=$RUN_SLURM/slurmd.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
 SlurmdLogFile=$LOG_DIR/slurmd.log
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=16000 Gres=$gres_node State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=16000 Feature=a100,v100,t4 Gres=$gres_node State=UNKNOWN
 PartitionName=gpu Nodes=localhost Default=YES State=UP
 PartitionName=gpu-small Nodes=localhost Default=NO State=UP
 PartitionName=debug Nodes=localhost Default=NO State=UP
