@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/python -m slurmgpu.demo
+	$(VENV)/bin/slurmgpu demo
 
 test: install cluster-up
 	$(PY) -m pytest -q

@@ -130,5 +130,13 @@ def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
     return problems
 
 
+@main.command("demo")
+def demo_cmd() -> None:
+    """Show gsbatch's decisions on the example scripts (nothing is submitted)."""
+    from slurmgpu import demo
+
+    sys.exit(demo.run())
+
+
 if __name__ == "__main__":
     main()

@@ -101,7 +101,8 @@ class RuleDecider:
         asked = comp.partitions or ([cfg.default_partition] if cfg.default_partition else [])
         known = [cfg.partitions[p] for p in asked if p in cfg.partitions]
         if not known:
-            return None, [f"{label}partition {','.join(asked) or '(default)'} is not in the slurmgpu config; request kept"], None
+            where = ",".join(asked) or "(default)"
+            return None, [f"{label}partition {where} is not in the slurmgpu config; request kept"], None
         from_constraint = not any(g.type for g in comp.gpus)
         gtype = cfg.type_for_feature(comp.gpu_type) if from_constraint and comp.gpu_type else comp.gpu_type
         target = None
@@ -129,7 +130,8 @@ class RuleDecider:
             reasons.append(f"{label}--constraint names {comp.gpu_type}, but an untyped GPU request may get "
                            f"any GPU type on a node with several; asked for {new_type} explicitly")
         if target or new_type:
-            return ComponentChange(comp.index, gpu_type=new_type, partition=target.name if target else None), reasons, None
+            change = ComponentChange(comp.index, gpu_type=new_type, partition=target.name if target else None)
+            return change, reasons, None
         return None, reasons, None
 
 

@@ -207,7 +207,7 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
                 first_command = lineno
             continue
         if _LOOKS_LIKE_DIRECTIVE.match(line):
-            why = ("after the first command (line %d)" % first_command if first_command is not None
+            why = (f"after the first command (line {first_command})" if first_command is not None
                    else "not at the start of the line or not spelled #SBATCH exactly")
             ignored.append(IgnoredDirective(lineno, line, why))
     first_line_end = starts[1] - 1 if len(starts) > 1 else len(text)

@@ -23,8 +23,10 @@ gpus_per_node = 4
 @pytest.mark.parametrize(("extra", "fragment"), [
     ("[policy]\ndecider = 'magic'\n", "policy.decider: must be one of keep, rules"),
     ("[policy]\nmin_gain = -1\n", "policy.min_gain: must be >= 0"),
-    ("[partitions.small]\ngpu_types = ['h100']\ngpus_per_node = 1\n", "partitions.small.gpu_types: unknown GPU type 'h100'"),
-    ("[partitions.small]\ngpu_types = ['a100']\ngpus_per_node = 0\n", "partitions.small.gpus_per_node: must be at least 1"),
+    ("[partitions.small]\ngpu_types = ['h100']\ngpus_per_node = 1\n",
+     "partitions.small.gpu_types: unknown GPU type 'h100'"),
+    ("[partitions.small]\ngpu_types = ['a100']\ngpus_per_node = 0\n",
+     "partitions.small.gpus_per_node: must be at least 1"),
     ("[gpu_types.t4]\nmemory_gib = 16\ncolour = 'red'\n", "gpu_types.t4.colour: unknown key"),
     ("[gpu_types.t4]\nmemory_gib = true\n", "gpu_types.t4.memory_gib: expected"),
     ("oops = [\n", "invalid TOML"),

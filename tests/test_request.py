@@ -10,7 +10,8 @@ from slurmgpu.script import parse_script
 
 
 def req(body: str, cli: list[str] | None = None, env: dict[str, str] | None = None):
-    return build_request(parse_script(("#!/bin/bash\n" + body + "srun true\n").encode(), "job.sh"), cli or [], env or {})
+    script = parse_script(("#!/bin/bash\n" + body + "srun true\n").encode(), "job.sh")
+    return build_request(script, cli or [], env or {})
 
 
 @pytest.mark.parametrize(("body", "gtype", "total", "per_node"), [

@@ -52,9 +52,11 @@ def script(tmp_path: Path, name: str, directives: str) -> Path:
 # One script per GPU syntax, with what scontrol must show afterwards.
 SYNTAXES = [
     ("gres_typed.sh", "#SBATCH --gres=gpu:a100:2", {"TresPerNode": "gpu:a100:2", "Partition": "gpu"}),
-    ("gres_moved.sh", "#SBATCH -p gpu-small\n#SBATCH --gres=gpu:v100:1", {"TresPerNode": "gpu:v100:1", "Partition": "gpu"}),
+    ("gres_moved.sh", "#SBATCH -p gpu-small\n#SBATCH --gres=gpu:v100:1",
+     {"TresPerNode": "gpu:v100:1", "Partition": "gpu"}),
     ("gpus.sh", "#SBATCH -G v100:2", {"TresPerJob": "gpu:v100:2"}),
-    ("gpus_per_node.sh", "#SBATCH --gpus-per-node=t4:1 -p gpu-small", {"TresPerNode": "gpu:t4:1", "Partition": "gpu-small"}),
+    ("gpus_per_node.sh", "#SBATCH --gpus-per-node=t4:1 -p gpu-small",
+     {"TresPerNode": "gpu:t4:1", "Partition": "gpu-small"}),
     ("gpus_per_task.sh", "#SBATCH --gpus-per-task=t4:1 --ntasks=2 -p gpu-small", {"TresPerTask": "gpu:t4:1"}),
     ("gpus_per_socket.sh", "#SBATCH --gpus-per-socket=a100:1 --sockets-per-node=1", {"TresPerSocket": "gpu:a100:1"}),
     ("constraint.sh", "#SBATCH --gres=gpu:1 --constraint=v100", {"TresPerNode": "gpu:v100:1", "Features": "v100"}),

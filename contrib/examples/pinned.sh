@@ -1,0 +1,5 @@
+#!/bin/bash
+#SLURMGPU keep
+#SBATCH -p gpu-small
+#SBATCH --gres=gpu:a100:1
+python benchmark_a100_in_small.py
