@@ -11,20 +11,17 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from slurmgpu.errors import ConfigError
 
-SYSTEM_CONFIG = Path("/etc/slurmgpu/slurmgpu.toml")
+SYSTEM_CONFIG = "/etc/slurmgpu/slurmgpu.toml"  # a str: pathlib costs gsbatch start-up time
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DECIDERS = ("keep", "rules")
 OBJECTIVES = ("fastest", "cheapest", "balanced")
 
 
-@dataclass(frozen=True)
-class GpuType:
+class GpuType(NamedTuple):
     name: str
     memory_gib: float
     relative_speed: float = 1.0
@@ -32,8 +29,7 @@ class GpuType:
     features: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Partition:
+class Partition(NamedTuple):
     name: str
     gpu_types: tuple[str, ...]
     gpus_per_node: int
@@ -41,8 +37,7 @@ class Partition:
     default: bool = False
 
 
-@dataclass(frozen=True)
-class Policy:
+class Policy(NamedTuple):
     decider: str = "rules"
     objective: str = "balanced"
     min_gain: float = 0.10
@@ -50,12 +45,11 @@ class Policy:
     min_confidence: float = 0.70
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     path: str
     gpu_types: Mapping[str, GpuType]
     partitions: Mapping[str, Partition]
-    policy: Policy = field(default_factory=Policy)
+    policy: Policy = Policy()
 
     @property
     def default_partition(self) -> str | None:
@@ -78,17 +72,17 @@ class Config:
         return None
 
 
-def find_config(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Path | None:
+def find_config(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
     """The config file to use, or None when none is installed (an explicit path must exist)."""
     env = os.environ if env is None else env
     if explicit:
-        return Path(explicit)
+        return explicit
     if env.get("SLURMGPU_CONFIG"):
-        return Path(env["SLURMGPU_CONFIG"])
-    return SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None
+        return env["SLURMGPU_CONFIG"]
+    return SYSTEM_CONFIG if os.path.exists(SYSTEM_CONFIG) else None
 
 
-def load_config(path: Path | str) -> Config:
+def load_config(path: str | os.PathLike[str]) -> Config:
     path = str(path)
     try:
         with open(path, "rb") as fh:

@@ -27,7 +27,7 @@ def run(examples: Path = EXAMPLES, config_path: Path = SAMPLE_CONFIG, console: C
     shown = None
     for path in sorted(examples.glob("*.sh")):
         try:
-            p = plan(Invocation(script=str(path), flags={"--dry-run"}), {}, decider)
+            p = plan(Invocation(script=str(path), flags=frozenset({"--dry-run"})), {}, decider)
         except InputError as exc:
             table.add_row(path.name, "-", "[red]error[/red]", str(exc))
             continue

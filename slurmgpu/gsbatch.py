@@ -8,15 +8,10 @@ back to submitting the job exactly as written, with a warning.
 
 from __future__ import annotations
 
-import difflib
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from slurmgpu.config import Config, find_config, load_config
 from slurmgpu.errors import InputError
@@ -39,15 +34,14 @@ gsbatch options (everything else is sbatch's):
 """
 
 
-@dataclass
-class Invocation:
+class Invocation(NamedTuple):
     """gsbatch's command line, split into its own flags, sbatch's options, script and args."""
 
-    flags: set[str] = field(default_factory=set)
+    flags: frozenset[str] = frozenset()
     config: str | None = None
-    options: list[str] = field(default_factory=list)
+    options: tuple[str, ...] = ()
     script: str | None = None
-    script_args: list[str] = field(default_factory=list)
+    script_args: tuple[str, ...] = ()
     wrap: bool = False
     pass_through: bool = False
 
@@ -55,7 +49,7 @@ class Invocation:
         words = list(self.options if options is None else options)
         if self.script is not None or script is not None:
             words.append(script or self.script or "")
-        return words + self.script_args
+        return words + list(self.script_args)
 
 
 def parse_invocation(argv: Sequence[str]) -> Invocation:
@@ -64,37 +58,29 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
     Own flags are long options sbatch does not know, so sbatch's own splitting already stops
     short of the script with them in place; they are removed from what sbatch gets.
     """
-    inv = Invocation()
     words = list(argv)
     try:
         opts, operand = split_options(words)
     except OptionError:
-        inv.options, inv.pass_through = words, True  # let sbatch word the error itself
-        return inv
-    own = set()
+        return Invocation(options=tuple(words), pass_through=True)  # let sbatch word the error itself
+    flags, config, own = set(), None, set()
     for o in opts:
-        if o.known:
-            continue
-        if o.name in OWN_FLAGS:
-            inv.flags.add(o.name)
+        if not o.known and o.name in OWN_FLAGS:
+            flags.add(o.name)
             own.add(o.first)
-        elif o.name == "--gs-config":
-            inv.config = o.value
+        elif not o.known and o.name == "--gs-config":
+            config = o.value
             own.add(o.first)
-    inv.options = [w for j, w in enumerate(words[:operand]) if j not in own]
+    options = tuple(w for j, w in enumerate(words[:operand]) if j not in own)
     names = {o.name for o in opts}
-    inv.wrap = "wrap" in names
-    inv.pass_through = bool(names & PASS_THROUGH)
-    tail = words[operand:]
-    if tail[:1] == [":"]:  # a command-line hetjob: passed on untouched
-        inv.pass_through = True
-        inv.options = inv.options + tail
-        return inv
-    if tail and not inv.wrap:
-        inv.script, inv.script_args = tail[0], tail[1:]
-    else:
-        inv.script_args = tail
-    return inv
+    wrap = "wrap" in names
+    base = Invocation(frozenset(flags), config, options, wrap=wrap, pass_through=bool(names & PASS_THROUGH))
+    tail = tuple(words[operand:])
+    if tail[:1] == (":",):  # a command-line hetjob: passed on untouched
+        return base._replace(options=options + tail, pass_through=True)
+    if tail and not wrap:
+        return base._replace(script=tail[0], script_args=tail[1:])
+    return base._replace(script_args=tail)
 
 
 def _note(stream: TextIO, kind: str, text: str) -> None:
@@ -117,8 +103,7 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
     return "\n".join("gsbatch: explain: " + line for line in lines)
 
 
-@dataclass
-class Plan:
+class Plan(NamedTuple):
     """What to submit, and what to tell the user about it."""
 
     request: JobRequest | None
@@ -158,13 +143,16 @@ def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, st
     data = sub.script_text.encode("utf-8", "surrogateescape") if sub.script_text is not None else None
     if inv.script is None:
         return backend.submit(inv.sbatch_words(sub.cli_words), child_env, data if p.stdin is not None else None)
+    import shutil
+    import tempfile
+
     tmpdir = tempfile.mkdtemp(prefix="gsbatch-")
     try:
-        path = Path(tmpdir) / Path(inv.script).name
+        path = os.path.join(tmpdir, os.path.basename(inv.script))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data or b"")
-        return backend.submit(inv.sbatch_words(sub.cli_words, str(path)), child_env)
+        return backend.submit(inv.sbatch_words(sub.cli_words, path), child_env)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -211,7 +199,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if sub.changed:
         comp_notes = "; ".join(p.decision.reasons)
         _note(sys.stderr, "note", f"GPU request changed: {comp_notes}")
-        if sub.cli_words != inv.options or sub.env_overrides:
+        if list(sub.cli_words) != list(inv.options) or sub.env_overrides:
             extra = " ".join(sub.cli_words) + "".join(f" {k}={v}" for k, v in sub.env_overrides.items())
             _note(sys.stderr, "note", f"sbatch options now: {extra.strip()}")
     if "--dry-run" in inv.flags or "--diff" in inv.flags:
@@ -219,6 +207,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         new = sub.script_text if sub.script_text is not None else original
         out = sys.stdout.buffer
         if "--diff" in inv.flags:
+            import difflib
+
             name = inv.script or "<stdin>"
             diff = difflib.unified_diff(original.splitlines(True), new.splitlines(True), name, name + " (gsbatch)")
             out.write("".join(diff).encode("utf-8", "surrogateescape"))

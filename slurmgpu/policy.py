@@ -7,15 +7,13 @@ and — when the request cannot be satisfied at all — why it is refused before
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.config import Config
 from slurmgpu.request import ComponentRequest, JobRequest
 
 
-@dataclass(frozen=True)
-class ComponentChange:
+class ComponentChange(NamedTuple):
     """New values for one component; None means 'leave as the user wrote it'."""
 
     index: int
@@ -24,8 +22,7 @@ class ComponentChange:
     partition: str | None = None
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     changes: tuple[ComponentChange, ...] = ()
     reasons: tuple[str, ...] = ()
     refusal: str | None = None
@@ -40,7 +37,7 @@ class Decision:
             "decider": self.decider,
             "changed": self.changed,
             "refused": self.refusal,
-            "changes": [c.__dict__ for c in self.changes],
+            "changes": [c._asdict() for c in self.changes],
             "reasons": list(self.reasons),
         }
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 from slurmgpu.errors import InputError
 from slurmgpu.sbatch_options import ENV_OPTIONS, OptionError, split_options
@@ -38,8 +38,7 @@ _MEM = re.compile(r"^(\d+)([KMGT]?)B?$", re.IGNORECASE)
 _NODES = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
-@dataclass(frozen=True)
-class Origin:
+class Origin(NamedTuple):
     """Where an effective option value came from."""
 
     source: Literal["script", "env", "cli"]
@@ -56,15 +55,13 @@ class Origin:
         return "command line"
 
 
-@dataclass(frozen=True)
-class OptionValue:
+class OptionValue(NamedTuple):
     name: str
     value: str | None
     origin: Origin
 
 
-@dataclass(frozen=True)
-class GpuAsk:
+class GpuAsk(NamedTuple):
     """One GPU request as written: count of one type (or any type) per job/node/task/socket."""
 
     type: str | None
@@ -75,12 +72,11 @@ class GpuAsk:
     other_gres: tuple[str, ...] = ()  # non-GPU entries sharing a --gres list, kept on rewrite
 
 
-@dataclass(frozen=True)
-class ComponentRequest:
+class ComponentRequest(NamedTuple):
     """The request of one (possibly heterogeneous) job component."""
 
     index: int
-    options: Mapping[str, OptionValue] = field(repr=False)
+    options: Mapping[str, OptionValue]
     gpus: tuple[GpuAsk, ...] = ()
     constraint_gpu_types: tuple[str, ...] = ()
     nodes: int = 1
@@ -183,14 +179,13 @@ class ComponentRequest:
         }
 
 
-@dataclass(frozen=True)
-class JobRequest:
+class JobRequest(NamedTuple):
     """A whole job: its components, its script, and the options passed through untouched."""
 
     script: BatchScript | None
     components: tuple[ComponentRequest, ...]
     cli_words: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    env: Mapping[str, str] = MappingProxyType({})
     unknown_options: tuple[str, ...] = ()
 
     @property
@@ -426,7 +421,7 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
     if sum(val(n) is not None for n in ("mem", "mem-per-cpu", "mem-per-gpu")) > 1:
         given = [f"--{n}" for n in ("mem", "mem-per-cpu", "mem-per-gpu") if val(n) is not None]
         raise InputError(f"{' and '.join(given)} are mutually exclusive", option=given[-1])
-    if any(g.per == "task" for g in gpus) and not ({"ntasks", "ntasks-per-node", "gpus"} & opts.keys()):
+    if any(g.per == "task" for g in gpus) and not ({"ntasks", "ntasks-per-node", "nodes", "gpus"} & opts.keys()):
         # sbatch's own check (slurm_opt.c), reported before submission rather than after.
         raise InputError("--gpus-per-task used without either --gpus or -n/--ntasks is not allowed",
                          option="--gpus-per-task")

@@ -10,11 +10,12 @@ byte-identical.
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from functools import cache
-from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from slurmgpu.policy import ComponentChange, Decision
 from slurmgpu.request import ComponentRequest, GpuAsk, JobRequest, Origin
@@ -28,10 +29,11 @@ class RewriteError(RuntimeError):
     """The decision cannot be expressed in the user's syntax; the job goes as written."""
 
 
-def templates_dir() -> Path:
+def templates_dir() -> str:
     """Templates ship inside the wheel; a source checkout reads the top-level folder."""
-    packaged = Path(__file__).parent / "_templates"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "templates"
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "_templates")
+    return packaged if os.path.isdir(packaged) else os.path.join(os.path.dirname(here), "templates")
 
 
 def sbatch_quote(value: object) -> str:
@@ -52,7 +54,7 @@ def _macros() -> Any:
     import jinja2  # deferred: a job whose request stands never pays for the import
 
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        loader=jinja2.FileSystemLoader(templates_dir()),
         autoescape=False,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -62,13 +64,12 @@ def _macros() -> Any:
     return env.get_template("rewrite/directives.j2").module
 
 
-@dataclass
-class Submission:
+class Submission(NamedTuple):
     """What gsbatch hands to sbatch: script text, command-line words and environment changes."""
 
     script_text: str | None
     cli_words: list[str]
-    env_overrides: dict[str, str] = field(default_factory=dict)
+    env_overrides: Mapping[str, str] = MappingProxyType({})
     changed: bool = False
 
 
@@ -110,14 +111,14 @@ def _new_gpu_value(comp: ComponentRequest, change: ComponentChange) -> tuple[Gpu
     return ask, f"{gtype}:{count}" if gtype else str(count)
 
 
-@dataclass
 class _Edits:
     """Collected edits, applied at the end so offsets stay valid."""
 
-    script: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, text)
-    cli: dict[int, tuple[int, str]] = field(default_factory=dict)  # first word -> (last word, text)
-    cli_prepend: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.script: list[tuple[int, int, str]] = []  # (start, end, text)
+        self.cli: dict[int, tuple[int, str]] = {}  # first word -> (last word, text)
+        self.cli_prepend: list[str] = []
+        self.env: dict[str, str] = {}
 
 
 def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, edits: _Edits) -> None:

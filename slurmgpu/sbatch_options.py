@@ -7,8 +7,8 @@ next word when no ``=`` is given, and an optional argument must be attached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class Arg(Enum):
@@ -17,8 +17,7 @@ class Arg(Enum):
     OPTIONAL = 2
 
 
-@dataclass(frozen=True)
-class OptionSpec:
+class OptionSpec(NamedTuple):
     name: str
     arg: Arg
     short: str | None = None
@@ -186,8 +185,7 @@ def lookup_long(word: str) -> OptionSpec | None:
     return matches[0] if matches else None
 
 
-@dataclass(frozen=True)
-class ParsedOption:
+class ParsedOption(NamedTuple):
     """One option as found in a word list: canonical name, value, and which words it used."""
 
     name: str  # canonical long name, or the word itself for an unknown option

@@ -10,7 +10,7 @@ Every word keeps its character span, so a rewrite can replace exactly the words 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from slurmgpu.errors import InputError
 from slurmgpu.sbatch_options import OptionError, split_options
@@ -29,8 +29,7 @@ EMPTY = "Batch script is empty!"
 NUL_CHAR = "The Slurm controller does not allow scripts that contain a NULL character '\\0'."
 
 
-@dataclass(frozen=True)
-class Word:
+class Word(NamedTuple):
     """One word of a directive line: its unquoted text and where it stands in the script."""
 
     text: str
@@ -38,8 +37,7 @@ class Word:
     end: int
 
 
-@dataclass(frozen=True)
-class Directive:
+class Directive(NamedTuple):
     """One option set by a ``#SBATCH`` line."""
 
     line: int
@@ -58,15 +56,13 @@ class Directive:
         return self.words[-1].end
 
 
-@dataclass(frozen=True)
-class IgnoredDirective:
+class IgnoredDirective(NamedTuple):
     line: int
     text: str
     reason: str
 
 
-@dataclass(frozen=True)
-class BatchScript:
+class BatchScript(NamedTuple):
     """A parsed batch script; ``text`` round-trips to the exact original bytes."""
 
     path: str
@@ -76,7 +72,7 @@ class BatchScript:
     ignored: tuple[IgnoredDirective, ...]
     components: int
     first_command_line: int | None
-    line_starts: tuple[int, ...] = field(repr=False)
+    line_starts: tuple[int, ...]
     keep_marker: bool = False
 
     @property

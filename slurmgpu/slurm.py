@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
 
 _GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)")
 
@@ -23,11 +22,10 @@ class SlurmError(RuntimeError):
     """A Slurm command could not be run or answered nonsense."""
 
 
-@dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(NamedTuple):
     name: str
     partitions: tuple[str, ...]
-    gpus: Mapping[str, int] = field(default_factory=dict)  # type ("" when untyped) -> count
+    gpus: Mapping[str, int] = MappingProxyType({})  # type ("" when untyped) -> count
     state: str = ""
 
 
@@ -128,6 +126,8 @@ def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
     env = os.environ if env is None else env
     choice = env.get("SLURMGPU_BACKEND", "auto")
     cli = CliBackend()
+    import shutil
+
     if choice == "cli" or shutil.which("sinfo") is None:
         return cli
     try:

@@ -147,7 +147,7 @@ def test_stdin_script_and_wrap(sample_config: Path, monkeypatch) -> None:
 def test_invocation_split() -> None:
     inv = gsbatch.parse_invocation(["--dry-run", "-N", "2", "--explain", "--gs-config=/x.toml", "job.sh", "-N", "5"])
     assert inv.flags == {"--dry-run", "--explain"} and inv.config == "/x.toml"
-    assert inv.options == ["-N", "2"] and inv.script == "job.sh" and inv.script_args == ["-N", "5"]
+    assert inv.options == ("-N", "2") and inv.script == "job.sh" and inv.script_args == ("-N", "5")
 
 
 def test_sample_config_loads(sample_config: Path) -> None:
