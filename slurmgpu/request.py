@@ -144,8 +144,8 @@ class ComponentRequest(NamedTuple):
                 total += g.count
             elif g.per == "socket":
                 total += g.count * (self.sockets_per_node or 1)
-            elif g.per == "task" and self.ntasks_per_node is not None:
-                total += g.count * self.ntasks_per_node
+            elif g.per == "task" and (self.ntasks_per_node is not None or self.ntasks is None):
+                total += g.count * (self.ntasks_per_node or 1)  # one task per node unless told
             elif self.nodes == 1 and self.nodes_max in (None, 1):
                 total += g.count * self._multiplier(g.per)
             else:
@@ -309,8 +309,10 @@ def parse_mem_mb(value: str, option: str) -> int:
     m = _MEM.match(value)
     if not m:
         raise InputError(f"invalid memory size '{value}'", option=option)
-    scale = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
-    return int(int(m.group(1)) * scale)
+    number, unit = int(m.group(1)), m.group(2).upper()
+    if unit == "K":
+        return -(-number // 1024)  # sbatch rounds kilobytes up to whole megabytes
+    return number * {"": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[unit]
 
 
 def parse_positive(value: str, option: str) -> int:
@@ -365,11 +367,24 @@ def build_request(
                     unknown.append(d.name)
         for ov in (*env_values, *cli):
             merged[ov.name] = ov
+        if components:
+            _inherit(merged, components[0].options)
         try:
             components.append(_component(index, merged, features))
         except InputError as exc:
             raise _locate(exc, script) from None
     return JobRequest(script, tuple(components), tuple(cli_options), env, tuple(dict.fromkeys(unknown)))
+
+
+# What later hetjob components take from component 0 when they do not say (seen with real
+# sbatch 22.05 and scontrol); partition, constraint and GPUs are not inherited.
+_INHERITED = (("time",), ("mem", "mem-per-cpu", "mem-per-gpu"), ("account",), ("job-name",), ("qos",))
+
+
+def _inherit(merged: dict[str, OptionValue], first: Mapping[str, OptionValue]) -> None:
+    for family in _INHERITED:
+        if not any(name in merged for name in family):
+            merged.update({name: first[name] for name in family if name in first})
 
 
 def _locate(exc: InputError, script: BatchScript | None) -> InputError:

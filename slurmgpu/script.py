@@ -3,7 +3,8 @@
 sbatch only honours ``#SBATCH`` at the very start of a line, and only until the first line
 that is neither blank nor a comment; each directive line is split into words with sbatch's own
 quoting rules (quotes group, backslash escapes, an unquoted ``#`` starts a comment). A line
-naming ``hetjob`` (or the older ``packjob``) starts the next heterogeneous component.
+whose first word is ``hetjob`` (or the older ``packjob``) starts the next heterogeneous
+component, and nothing else on that line is read.
 Every word keeps its character span, so a rewrite can replace exactly the words it must.
 """
 
@@ -18,7 +19,7 @@ from slurmgpu.sbatch_options import OptionError, split_options
 MAGIC = "#SBATCH"
 KEEP_MARKER = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
 _LOOKS_LIKE_DIRECTIVE = re.compile(r"^[ \t]*#+[ \t]*sbatch", re.IGNORECASE)
-_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)
+_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)  # as a line's first word
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace(), not Unicode's
 
 # sbatch's own words for scripts it refuses (src/sbatch/sbatch.c).
@@ -136,9 +137,11 @@ def tokenize(text: str, start: int, end: int, path: str, lineno: int) -> list[Wo
         quote = ""
         while i < end and (quote or text[i] not in _SPACE):
             ch = text[i]
-            if ch == "\\" and i + 1 < end:
-                out.append(text[i + 1])
-                i += 2
+            if ch == "\\":  # escapes the next character, but (unquoted) never a space
+                i += 1
+                if i < end and (quote or text[i] not in _SPACE):
+                    out.append(text[i])
+                    i += 1
                 continue
             if quote:
                 if ch == quote:
@@ -188,13 +191,10 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
             if first_command is not None:
                 ignored.append(IgnoredDirective(lineno, line, f"after the first command (line {first_command})"))
                 continue
-            body_start = begin + len(MAGIC)
-            het = _HETJOB.search(line)
-            if het:
-                component += 1
-            words = tokenize(text, body_start, end, path, lineno)
-            if het:
-                words = [w for w in words if not _HETJOB.fullmatch(w.text)]
+            words = tokenize(text, begin + len(MAGIC), end, path, lineno)
+            if words and _HETJOB.fullmatch(words[0].text):
+                component += 1  # sbatch reads nothing else on a separator line
+                continue
             directives.extend(_directives_of_line(words, lineno, component, path))
             continue
         stripped = line.lstrip(" \t\v\f\r")
@@ -229,6 +229,6 @@ def _directives_of_line(words: list[Word], lineno: int, component: int, path: st
         Directive(lineno, component, o.name, o.value, tuple(words[o.first : o.last + 1]), o.known)
         for o in options
     ]
-    # Words that are not options (sbatch would stop its getopt there); keep them visible.
-    found.extend(Directive(lineno, component, w.text, None, (w,), known=False) for w in words[operand:])
+    if operand < len(words):  # sbatch's own refusal of a stray word
+        raise InputError(f"Invalid directive found in batch script: {words[operand].text}", file=path, line=lineno)
     return found

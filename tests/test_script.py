@@ -21,8 +21,8 @@ def test_directives_stop_at_first_command_and_later_ones_are_reported() -> None:
 
 def test_quotes_escapes_comments_and_abbreviations() -> None:
     got = names(b'#!/bin/sh\n#SBATCH --job-name="my #1 job" --part=gpu  # trailing\n'
-                b"#SBATCH\t-J\tx\\ y --comment 'a b'\n#SBATCH -pgpu-small -N2\n")
-    assert got == [(2, "job-name", "my #1 job"), (2, "partition", "gpu"), (3, "job-name", "x y"),
+                b"#SBATCH\t-J\tx\\#y --comment 'a b'\n#SBATCH -pgpu-small -N2\n")
+    assert got == [(2, "job-name", "my #1 job"), (2, "partition", "gpu"), (3, "job-name", "x#y"),
                    (3, "comment", "a b"), (4, "partition", "gpu-small"), (4, "nodes", "2")]
 
 
@@ -53,6 +53,7 @@ def test_non_ascii_and_invalid_utf8_round_trip() -> None:
     (b'#!/bin/bash\n#SBATCH -J "open\n', "Unmatched"),
     (b"#!/bin/bash\n#SBATCH --nodes\n", "requires an argument"),
     (b"#!/bin/bash\n#SBATCH --ntasks-per\n", "ambiguous"),
+    (b"#!/bin/bash\n#SBATCH -J run\\ two\n", "Invalid directive found in batch script: two"),
 ])
 def test_refusals_name_the_file(data: bytes, fragment: str) -> None:
     with pytest.raises(InputError) as err:

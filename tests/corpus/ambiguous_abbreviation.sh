@@ -1,0 +1,4 @@
+#!/bin/bash
+#SBATCH --cpus=8
+#SBATCH --gres=gpu:1
+python train.py

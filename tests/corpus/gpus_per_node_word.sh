@@ -1,0 +1,3 @@
+#!/bin/bash
+#SBATCH --gpus-per-node=four
+python train.py

@@ -1,0 +1,4 @@
+#!/bin/bash
+#SBATCH --ntasks=4
+#SBATCH --gpus-per-task=-2
+srun ./app

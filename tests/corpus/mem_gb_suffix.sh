@@ -1,0 +1,5 @@
+#!/bin/bash
+#SBATCH --mem=64GB
+#SBATCH --gres=gpu:1
+#SBATCH --time=01:00:00
+python train.py

@@ -1,0 +1,3 @@
+#SBATCH --job-name=noshebang
+#SBATCH --gres=gpu:1
+python train.py
