@@ -105,16 +105,11 @@ class PyslurmBackend(CliBackend):
         self.pyslurm = module
 
     def nodes(self) -> list[NodeInfo]:
-        loaded = self.pyslurm.Nodes.load()  # type: ignore[attr-defined]
-        return [NodeInfo(n.name, tuple(n.partitions or ()), parse_gres(",".join(n.configured_gres or [])
-                         if isinstance(n.configured_gres, list) else _gres_dict(n.configured_gres)), str(n.state))
-                for n in loaded.values()]
-
-
-def _gres_dict(gres: object) -> str:
-    if isinstance(gres, dict):
-        return ",".join(f"{k}:{v}" for k, v in gres.items())
-    return str(gres or "")
+        # pyslurm >= 22.5: Node.configured_gres is a dict such as {"gpu:a100": 4}.
+        return [NodeInfo(n.name, tuple(n.partitions or ()),
+                         parse_gres(",".join(f"{k}:{v}" for k, v in (n.configured_gres or {}).items())),
+                         str(n.state))
+                for n in self.pyslurm.Nodes.load().values()]  # type: ignore[attr-defined]
 
 
 def _major_minor(version: str) -> tuple[int, ...]:

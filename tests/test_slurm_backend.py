@@ -1,0 +1,61 @@
+"""Backend selection and sinfo parsing (fixture captured from the local cluster, Slurm 22.05)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from slurmgpu import slurm
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def fake_tool(tmp_path: Path, name: str, output: str) -> str:
+    p = tmp_path / name
+    p.write_text(f"#!/bin/sh\ncat <<'EOF'\n{output}EOF\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def test_nodes_from_captured_sinfo(tmp_path: Path) -> None:
+    out = (FIXTURES / "sinfo_nodes_22.05.txt").read_text()
+    backend = slurm.CliBackend(sinfo=fake_tool(tmp_path, "sinfo", out))
+    [node] = backend.nodes()
+    assert node.name == "localhost"
+    assert set(node.partitions) == {"gpu", "gpu-small", "debug"}
+    assert dict(node.gpus) == {"a100": 4, "v100": 4, "t4": 4}
+
+
+def test_gres_strings() -> None:
+    assert slurm.parse_gres("gpu:a100:4(S:0-1),gpu:2,nvme:1") == {"a100": 4, "": 2}
+    assert slurm.parse_gres("(null)") == {}
+
+
+@pytest.mark.parametrize(("theirs", "expected"), [("22.5.3", "pyslurm"), ("25.11.0", "cli")])
+def test_pyslurm_only_when_versions_match(monkeypatch, tmp_path: Path, theirs: str, expected: str) -> None:
+    monkeypatch.setitem(sys.modules, "pyslurm", types.SimpleNamespace(__version__=theirs))
+    monkeypatch.setattr(slurm.CliBackend, "version", lambda self: "22.05.8")
+    monkeypatch.setenv("PATH", str(Path(fake_tool(tmp_path, "sinfo", "")).parent))
+    assert slurm.select_backend({"SLURMGPU_BACKEND": "auto"}).name == expected
+    assert slurm.select_backend({"SLURMGPU_BACKEND": "cli"}).name == "cli"
+
+
+def test_no_pyslurm_means_cli(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyslurm", None)  # import fails
+    assert slurm.select_backend({}).name == "cli"
+
+
+def test_missing_tool_is_a_clear_error() -> None:
+    with pytest.raises(slurm.SlurmError, match="not found on PATH"):
+        slurm.CliBackend(sinfo="/nonexistent/sinfo").nodes()
+
+
+def test_pyslurm_nodes_use_its_gres_dict() -> None:
+    node = types.SimpleNamespace(name="g1", partitions=["gpu"], configured_gres={"gpu:a100": 4, "gpu": 2},
+                                 state="IDLE")
+    fake = types.SimpleNamespace(Nodes=types.SimpleNamespace(load=lambda: {"g1": node}))
+    [info] = slurm.PyslurmBackend(fake).nodes()
+    assert info.partitions == ("gpu",) and dict(info.gpus) == {"a100": 4, "": 2}
