@@ -3,8 +3,9 @@ VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
+DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install demo test test-unit bench lint cluster-up cluster-down cluster-status clean
+.PHONY: install demo test test-unit bench lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 
@@ -17,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/slurmgpu demo
 
-test: install cluster-up
-	$(PY) -m pytest -q
+# The whole suite: the real local Slurm, PostgreSQL and MariaDB are started first.
+test: install cluster-up db-up
+	eval "$$($(DBS) env)" && $(PY) -m pytest -q
 
 test-unit: install
 	$(PY) -m pytest -q -m 'not slurm'
@@ -37,6 +39,12 @@ cluster-down:
 
 cluster-status:
 	$(CLUSTER) status
+
+db-up:
+	$(DBS) up
+
+db-down:
+	$(DBS) down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis demo-out

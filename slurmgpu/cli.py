@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC
 from typing import Any, NoReturn
 
 import click
@@ -26,10 +29,13 @@ def fail(exc: Exception) -> NoReturn:
 @click.version_option(__version__, prog_name="slurmgpu")
 @click.option("--config", "config_path", metavar="PATH", envvar=None,
               help="Config file (default: $SLURMGPU_CONFIG, then /etc/slurmgpu/slurmgpu.toml).")
+@click.option("--db", "db_url", metavar="URL",
+              help="Database URL (default: $SLURMGPU_DB_URL, the config's site.database_url, "
+                   "then ~/.local/share/slurmgpu/slurmgpu.db).")
 @click.pass_context
-def main(ctx: click.Context, config_path: str | None) -> None:
+def main(ctx: click.Context, config_path: str | None, db_url: str | None) -> None:
     """Put the right GPUs under every Slurm job."""
-    ctx.obj = {"config_path": config_path}
+    ctx.obj = {"config_path": config_path, "db_url": db_url}
 
 
 def _config(ctx: click.Context, required: bool = True) -> Config | None:
@@ -128,6 +134,203 @@ def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
             if gtype and gtype not in config.gpu_types:
                 problems.append(f"partition {part}: the cluster offers GPU type {gtype}, unknown to the config")
     return problems
+
+
+def _db_url(ctx: click.Context) -> str:
+    from slurmgpu.db import resolve_url
+
+    if ctx.obj["db_url"] or os.environ.get("SLURMGPU_DB_URL"):
+        return resolve_url(ctx.obj["db_url"])
+    config = _config(ctx, required=False)
+    return resolve_url(config.site.database_url if config else None)
+
+
+def _engine(ctx: click.Context, migrated: bool = True) -> Any:
+    from slurmgpu import db
+
+    url = _db_url(ctx)
+    if migrated:
+        try:
+            current, head = db.current_revision(url), db.head_revision()
+        except Exception as exc:  # noqa: BLE001 - any driver error is the same message to the user
+            fail(InputError(f"database {_safe(url)} unreachable: {type(exc).__name__}: {str(exc).splitlines()[0]}"))
+        if current != head:
+            fail(InputError(f"database {_safe(url)} is at revision {current or 'none'}, code needs {head}: "
+                            "run `slurmgpu db upgrade`"))
+    return db.make_engine(url)
+
+
+def _safe(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@main.group("db")
+def db_group() -> None:
+    """Create and migrate the history database."""
+
+
+@db_group.command("upgrade")
+@click.option("--revision", default="head", show_default=True)
+@click.pass_context
+def db_upgrade(ctx: click.Context, revision: str) -> None:
+    """Apply migrations up to REVISION (creates the database schema on first use)."""
+    from slurmgpu import db
+
+    url = _db_url(ctx)
+    db.upgrade(url, revision)
+    click.echo(f"{_safe(url)}: at revision {db.current_revision(url)}")
+
+
+@db_group.command("downgrade")
+@click.option("--revision", default="base", show_default=True)
+@click.pass_context
+def db_downgrade(ctx: click.Context, revision: str) -> None:
+    """Revert migrations down to REVISION ('base' drops every slurmgpu table)."""
+    from slurmgpu import db
+
+    url = _db_url(ctx)
+    db.downgrade(url, revision)
+    click.echo(f"{_safe(url)}: at revision {db.current_revision(url) or 'base'}")
+
+
+@db_group.command("current")
+@click.pass_context
+def db_current(ctx: click.Context) -> None:
+    """Show the database's schema revision and the code's."""
+    from slurmgpu import db
+
+    url = _db_url(ctx)
+    current, head = db.current_revision(url), db.head_revision()
+    click.echo(f"{_safe(url)}: at revision {current or 'none'} (code: {head})")
+    if current != head:
+        sys.exit(1)
+
+
+@main.command("ingest")
+@click.option("--from-file", "from_file", metavar="FILE|-",
+              help="Load saved `sacct --parsable`/`--parsable2` output instead of running sacct.")
+@click.option("--format", "fields", metavar="FIELDS",
+              help="Comma-separated sacct field names of --from-file's columns (default: its header line, "
+                   "else the fields live ingest asks for).")
+@click.option("--delimiter", default="|", show_default=True, help="Field delimiter of --from-file.")
+@click.option("--cluster", help="Cluster name for rows without a Cluster field (default: the config's site.cluster).")
+@click.option("--since", type=click.DateTime(), help="Live ingest: start (local time; default: the watermark).")
+@click.option("--until", type=click.DateTime(), help="Live ingest: end (local time; default: now).")
+@click.option("--spool/--no-spool", default=True, show_default=True,
+              help="Also load gsbatch submission records and GPU collector records from the spools.")
+@click.pass_context
+def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, delimiter: str, cluster: str | None,
+               since: Any, until: Any, spool: bool) -> None:
+    """Load Slurm accounting (sacct) and spooled records into the history database.
+
+    Idempotent: rows already stored unchanged are skipped, changed ones updated. Unreadable rows
+    are reported with their line numbers (exit status 1) while the good ones still land.
+    """
+    from slurmgpu import ingest, sacct
+    from slurmgpu.spool import submission_spool
+
+    config = _config(ctx, required=False)
+    cluster = cluster or (config.site.cluster if config else None) or "default"
+    engine = _engine(ctx)
+    try:
+        columns = sacct.format_fields(fields) if fields else None
+    except ValueError as exc:
+        fail(InputError(str(exc), option="--format"))
+    with _progress() as advance:
+        if from_file:
+            report = _ingest_file(engine, from_file, columns, delimiter, cluster, advance)
+        else:
+            try:
+                report = ingest.ingest_sacct(engine, cluster, _to_utc(since), _to_utc(until), on_chunk=advance)
+            except (RuntimeError, OSError) as exc:
+                fail(exc)
+    if spool:
+        ingest.load_submissions(engine, submission_spool(config.site.submission_spool if config else None,
+                                                          os.environ), report)
+    for err in report.errors[:20]:
+        click.echo(f"slurmgpu: rejected {from_file or 'sacct'}:{err.line}: {err.message}", err=True)
+    if len(report.errors) > 20:
+        click.echo(f"slurmgpu: ... and {len(report.errors) - 20} more rejected rows", err=True)
+    for item in report.files_rejected:
+        click.echo(f"slurmgpu: rejected spool record {item}", err=True)
+    click.echo(report.summary())
+    if report.errors or report.files_rejected:
+        sys.exit(1)
+
+
+def _to_utc(t: Any) -> Any:
+    """A naive local time typed by the user, as naive UTC."""
+    return t.astimezone(UTC).replace(tzinfo=None) if t else None
+
+
+def _ingest_file(engine: Any, path: str, columns: Any, delimiter: str, cluster: str, advance: Any) -> Any:
+    from slurmgpu import ingest, sacct
+
+    try:
+        stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+    except OSError as exc:
+        fail(InputError(f"cannot read: {exc.strerror}", file=path))
+    with stream:
+        try:
+            return ingest.load_jobs(engine, sacct.parse_lines(stream, columns, delimiter, cluster), on_chunk=advance)
+        except ValueError as exc:
+            fail(InputError(str(exc), file=path))
+
+
+@contextmanager
+def _progress() -> Iterator[Any]:
+    """A rich progress counter on a terminal; silent in cron and tests."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.completed:,} jobs loaded"), TimeElapsedColumn(),
+                  transient=True) as bar:
+        task = bar.add_task("ingest", total=None)
+        yield lambda n: bar.advance(task, n)
+
+
+@main.command("jobs")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per job, as a list.")
+@click.option("--user", help="Only this user's jobs (non-root users can only ask for their own).")
+@click.option("--since", type=click.DateTime(), help="Only jobs submitted at or after this local time.")
+@click.option("--job", "job_ids", multiple=True, help="Only this job id (as sacct prints it); repeatable.")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.pass_context
+def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, job_ids: tuple[str, ...],
+             limit: int) -> None:
+    """Read the stored history back."""
+    from slurmgpu.history import job_rows
+
+    me = _current_user()
+    if os.geteuid() != 0:
+        if user and user != me:
+            fail(InputError(f"you may only list your own jobs, not {user}'s", option="--user"))
+        user = me
+    rows = job_rows(_engine(ctx), user=user, since=_to_utc(since), job_ids=job_ids, limit=limit)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("job_id", "user", "partition", "state", "gpus", "elapsed_s", "peak_gpu_mem_mib", "max_gpu_util")
+    for r in rows:
+        gpus = f"{r['gpu_count']} x {r['gpu_type'] or 'any'}" if r["gpu_count"] else "-"
+        table.add_row(r["job_id"], r["user"] or "", r["partition"] or "", r["state"], gpus,
+                      str(r["elapsed_s"] if r["elapsed_s"] is not None else ""),
+                      f"{r['peak_gpu_mem_mib']:.0f}" if r["peak_gpu_mem_mib"] is not None else "",
+                      f"{r['max_gpu_util']:.0f}" if r["max_gpu_util"] is not None else "")
+    Console().print(table)
+
+
+def _current_user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
 
 
 @main.command("demo")

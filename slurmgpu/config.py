@@ -45,11 +45,21 @@ class Policy(NamedTuple):
     min_confidence: float = 0.70
 
 
+class Site(NamedTuple):
+    """Where this site keeps its history; None means 'the personal default'."""
+
+    cluster: str | None = None
+    database_url: str | None = None
+    submission_spool: str | None = None
+    gpu_spool: str | None = None
+
+
 class Config(NamedTuple):
     path: str
     gpu_types: Mapping[str, GpuType]
     partitions: Mapping[str, Partition]
     policy: Policy = Policy()
+    site: Site = Site()
 
     @property
     def default_partition(self) -> str | None:
@@ -183,5 +193,8 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
     if policy.objective not in OBJECTIVES:
         raise pol._err("objective", f"must be one of {', '.join(OBJECTIVES)}, got {policy.objective!r}")
     pol.done()
+    st = _Table(top.get("site", dict, {}), "site", path)
+    site = Site(*(st.get(key, str, None) for key in Site._fields))
+    st.done()
     top.done()
-    return Config(path, types, parts, policy)
+    return Config(path, types, parts, policy, site)

@@ -48,3 +48,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def sample_config() -> Path:
     return SAMPLE_CONFIG
+
+
+def _require(condition_missing: str | None) -> None:
+    if condition_missing is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{condition_missing} (CI=true: these tests must run)")
+    pytest.skip(condition_missing)
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A freshly migrated, empty database on each backend slurmgpu supports."""
+    from slurmgpu import db
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'history.db'}"
+    else:
+        var = "SLURMGPU_TEST_PG_URL" if request.param == "postgresql" else "SLURMGPU_TEST_MYSQL_URL"
+        url = os.environ.get(var, "")
+        _require(None if url else f"{var} not set: run `make db-up`, then eval its `env` output")
+        db.downgrade(url, "base")
+    db.upgrade(url)
+    return url
