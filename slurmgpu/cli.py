@@ -229,7 +229,7 @@ def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, de
     are reported with their line numbers (exit status 1) while the good ones still land.
     """
     from slurmgpu import ingest, sacct
-    from slurmgpu.spool import submission_spool
+    from slurmgpu.spool import gpu_spool, submission_spool
 
     config = _config(ctx, required=False)
     cluster = cluster or (config.site.cluster if config else None) or "default"
@@ -247,8 +247,9 @@ def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, de
             except (RuntimeError, OSError) as exc:
                 fail(exc)
     if spool:
-        ingest.load_submissions(engine, submission_spool(config.site.submission_spool if config else None,
-                                                          os.environ), report)
+        site = config.site if config else None
+        ingest.load_submissions(engine, submission_spool(site.submission_spool if site else None, os.environ), report)
+        ingest.load_gpu_records(engine, gpu_spool(site.gpu_spool if site else None, os.environ), report)
     for err in report.errors[:20]:
         click.echo(f"slurmgpu: rejected {from_file or 'sacct'}:{err.line}: {err.message}", err=True)
     if len(report.errors) > 20:

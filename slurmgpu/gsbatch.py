@@ -20,7 +20,7 @@ from slurmgpu.request import JobRequest, build_request
 from slurmgpu.rewrite import Submission, apply, describe
 from slurmgpu.sbatch_options import OptionError, split_options
 from slurmgpu.script import parse_script, read_script
-from slurmgpu.slurm import CliBackend, SlurmBackend
+from slurmgpu.slurm import CliBackend, SlurmBackend, Submitted
 
 OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
 PASS_THROUGH = {"help", "usage", "version"}
@@ -133,7 +133,7 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
     return Plan(request, decision, apply(request, decision), stdin_data)
 
 
-def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, str]) -> int:
+def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, str]) -> Submitted:
     """Hand the plan to sbatch; a rewritten script goes through a private temporary file
     with the same name, so the job's default name and output file names do not change."""
     sub = p.submission
@@ -157,10 +157,32 @@ def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, st
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def load_decider(inv: Invocation, env: Mapping[str, str]) -> Decider:
+def load_site(inv: Invocation, env: Mapping[str, str]) -> Config | None:
     path = find_config(inv.config, env)
-    config: Config | None = load_config(path) if path else None
-    return make_decider(config)
+    return load_config(path) if path else None
+
+
+def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Plan, result: Submitted) -> None:
+    """Leave a submission record in the spool for the ingest; never fails the submission."""
+    import hashlib
+
+    from slurmgpu.spool import PERSONAL_SPOOL, ensure_personal_spool, new_record, submission_spool, write_record
+
+    site = config.site if config else None
+    directory = submission_spool(site.submission_spool if site else None, env)
+    try:
+        if directory.startswith(os.path.expanduser(PERSONAL_SPOOL)):
+            ensure_personal_spool(directory)
+        script = p.request.script if p.request else None
+        write_record(directory, new_record(
+            cluster=site.cluster if site else None, job_id=result.job_id, sbatch_exit=result.code,
+            script_sha256=hashlib.sha256(script.data).hexdigest() if script else None,
+            features={"script_name": os.path.basename(inv.script) if inv.script else None,
+                      "sbatch_options": list(inv.options), "wrap": inv.wrap},
+            original_request=p.request.to_json() if p.request else None,
+            decision=p.decision.to_json(), changed=p.submission.changed))
+    except (OSError, TypeError, ValueError) as exc:
+        _note(sys.stderr, "warning", f"submission record not written to {directory}: {exc}")
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
@@ -170,12 +192,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     backend = backend or CliBackend()
     inv = parse_invocation(argv)
     if inv.pass_through:
-        code = backend.submit(inv.sbatch_words(), env)
+        code = backend.submit(inv.sbatch_words(), env).code
         if {"--help", "-h"} & set(inv.options):
             print(HELP, end="")
         return code
+    config = None
     try:
-        decider = decider or load_decider(inv, env)
+        config = load_site(inv, env)
+        decider = decider or make_decider(config)
     except InputError as exc:
         _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")
         decider = KeepDecider("config unusable")
@@ -189,7 +213,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             _note(sys.stderr, "error", f"slurmgpu failed: {type(exc).__name__}: {exc}")
             return 1
         _note(sys.stderr, "warning", f"slurmgpu failed ({type(exc).__name__}: {exc}); submitting as written")
-        return backend.submit(inv.sbatch_words(), env)
+        return backend.submit(inv.sbatch_words(), env).code
     if "--explain" in inv.flags and p.request is not None:
         print(explain_text(p.request, p.decision), file=sys.stderr)
     if p.decision.refusal:
@@ -216,7 +240,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             out.write(new.encode("utf-8", "surrogateescape"))
         out.flush()
         return 0
-    return submit(inv, p, backend, env)
+    result = submit(inv, p, backend, env)
+    if "--test-only" not in inv.options:
+        record(config, env, inv, p, result)
+    return result.code
 
 
 def entry() -> None:

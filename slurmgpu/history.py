@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import String, cast, func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
 from slurmgpu.db import GpuUsage, Job
 
@@ -23,7 +24,9 @@ def job_rows(engine: Engine, user: str | None = None, since: datetime | None = N
                     func.max(GpuUsage.peak_mem_mib).label("peak"), func.max(GpuUsage.max_util).label("util"))
              .group_by(GpuUsage.cluster, GpuUsage.job_id).subquery())
     stmt = (select(Job, usage.c.peak, usage.c.util)
-            .outerjoin(usage, (usage.c.cluster == Job.cluster) & (usage.c.job_id == Job.job_id))
+            # A prolog-started collector may only know the raw id of an array task.
+            .outerjoin(usage, (usage.c.cluster == Job.cluster)
+                       & ((usage.c.job_id == Job.job_id) | (usage.c.job_id == cast(Job.job_id_raw, String))))
             .order_by(Job.submit_time, Job.job_id_raw, Job.job_id).limit(limit))
     if user:
         stmt = stmt.where(Job.user == user)
@@ -31,9 +34,8 @@ def job_rows(engine: Engine, user: str | None = None, since: datetime | None = N
         stmt = stmt.where(Job.submit_time >= since)
     if job_ids:
         stmt = stmt.where(Job.job_id.in_(list(job_ids)))
-    with engine.connect() as conn:
-        result = conn.execute(stmt)
-        return [_row(job, peak, util) for job, peak, util in result]
+    with Session(engine) as session:
+        return [_row(job, peak, util) for job, peak, util in session.execute(stmt)]
 
 
 def _row(job: Any, peak: float | None, util: float | None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from sqlalchemy import Table, select
 from sqlalchemy.engine import Connection, Engine
 
 from slurmgpu import sacct
-from slurmgpu.db import IngestState, Job, Submission, utcnow
+from slurmgpu.db import GpuUsage, IngestState, Job, Submission, utcnow
 from slurmgpu.spool import RECORD_VERSION
 
 JOBS: Table = Job.__table__  # type: ignore[assignment]
@@ -93,6 +93,7 @@ def load_jobs(engine: Engine, items: Iterable[sacct.JobRecord | sacct.RowError],
         with engine.begin() as conn:
             stored = _stored(conn, list(latest))
             fresh = []
+            now = utcnow()
             for key, row in latest.items():
                 old = stored.get(key)
                 if old is None:
@@ -102,7 +103,7 @@ def load_jobs(engine: Engine, items: Iterable[sacct.JobRecord | sacct.RowError],
                 else:
                     report.unchanged += 1
                     continue
-                fresh.append({**row, "updated_at": utcnow()})
+                fresh.append({**row, "updated_at": now})
             upsert(conn, JOBS, fresh, ("cluster", "job_id"))
         if on_chunk:
             on_chunk(len(chunk))
@@ -235,6 +236,44 @@ def load_submissions(engine: Engine, directory: str, report: Report | None = Non
             new = [r for r in rows if r["record_id"] not in known]
             if new:
                 conn.execute(Submission.__table__.insert(), new)
+        report.files_loaded += len(rows)
+        for path in paths:
+            os.unlink(path)
+    return report
+
+
+# --- GPU collector records ------------------------------------------------------------------
+
+
+def load_gpu_records(engine: Engine, directory: str, report: Report | None = None) -> Report:
+    """Load slurmgpu-monitor's per-job records, then remove them; bad ones are set aside."""
+    from slurmgpu.monitor import read_record
+
+    report = report or Report()
+    if not os.path.isdir(directory):
+        return report
+    rows, paths = [], []
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith(".")):
+        path = os.path.join(directory, name)
+        try:
+            rec = read_record(path)
+        except (OSError, ValueError) as exc:
+            report.files_rejected.append(str(exc) if str(exc).startswith(path) else f"{path}: {exc}")
+            os.replace(path, path + ".rejected")
+            continue
+        rows.append({
+            "cluster": rec.cluster, "job_id": rec.job_id, "hostname": rec.hostname, "source": rec.source,
+            "gpus": len(rec.gpus), "peak_mem_mib": rec.peak_gpu_mem_mib,
+            "peak_proc_mem_mib": max((g.peak_proc_mem_mib for g in rec.gpus if g.peak_proc_mem_mib is not None),
+                                     default=None),
+            "mean_util": rec.mean_gpu_util, "max_util": rec.max_gpu_util, "samples": rec.samples,
+            "start_time": rec.start.replace(tzinfo=None), "end_time": rec.end.replace(tzinfo=None),
+            "detail": [g._asdict() for g in rec.gpus],
+        })
+        paths.append(path)
+    if rows:
+        with engine.begin() as conn:
+            upsert(conn, GpuUsage.__table__, rows, ("cluster", "job_id", "hostname", "source"))  # type: ignore[arg-type]
         report.files_loaded += len(rows)
         for path in paths:
             os.unlink(path)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 # What live ingest asks sacct for. Free text (JobName, Comment) may hold the delimiter: the
@@ -29,7 +30,7 @@ _DURATION = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)$")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGTP]?)[nc]?$", re.IGNORECASE)
 _STATE = re.compile(r"^([A-Z_]+)\+?(?: by (\d+))?$")
 _SIZE_MIB = {"": 1 / 1024 / 1024, "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0**2, "P": 1024.0**3}
-_NONE = frozenset(("", "Unknown", "None", "INVALID", "N/A"))
+_NONE = frozenset(("", "Unknown", "None", "None assigned", "INVALID", "N/A"))
 
 
 class RowError(NamedTuple):
@@ -73,14 +74,22 @@ def parse_size_mib(text: str, field: str = "MaxRSS") -> float | None:
     return float(m.group(1)) * _SIZE_MIB[unit]
 
 
+@lru_cache(maxsize=4096)
+def _utc_offset(hour: str) -> timedelta:
+    """The local zone's offset for one local hour (it can only change on the hour)."""
+    local = datetime.fromisoformat(hour)
+    return local - local.astimezone(UTC).replace(tzinfo=None)
+
+
 def parse_time(text: str, field: str) -> datetime | None:
     """sacct prints local wall-clock time; store naive UTC."""
     if text in _NONE:
         return None
     try:
-        return datetime.fromisoformat(text).astimezone(UTC).replace(tzinfo=None)
+        local = datetime.fromisoformat(text)
     except ValueError:
         raise ParseError(field, f"invalid time {text!r}") from None
+    return local - _utc_offset(text[:13])
 
 
 def parse_tres(text: str) -> dict[str, str]:
@@ -157,7 +166,7 @@ def _job_values(row: dict[str, str], cluster: str | None) -> dict[str, Any]:
         "cpus": _int(row.get("NCPUS", ""), "NCPUS"),
         "req_mem_mb": int(req_mem) if req_mem is not None else None,
         "max_rss_mb": parse_size_mib(row.get("MaxRSS", ""), "MaxRSS"),
-        "node_list": row.get("NodeList") or None,
+        "node_list": None if row.get("NodeList", "") in _NONE else row["NodeList"],
         "comment": row.get("Comment") or None,
         "sacct_gpu_mem_mib": None,
         "sacct_gpu_util": None,
@@ -181,8 +190,8 @@ def _fold_step(job: dict[str, Any], row: dict[str, str]) -> None:
 def split_fields(line: str, nfields: int, delimiter: str) -> list[str] | None:
     """Split one line; tolerate --parsable's trailing delimiter and delimiters inside the last field."""
     parts = line.split(delimiter)
-    if len(parts) == nfields + 1 and parts[-1] == "":
-        parts.pop()
+    if len(parts) > nfields and parts[-1] == "":
+        parts.pop()  # --parsable ends every line with the delimiter
     if len(parts) > nfields:
         parts[nfields - 1:] = [delimiter.join(parts[nfields - 1:])]
     return parts if len(parts) == nfields else None

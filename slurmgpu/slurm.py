@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
@@ -36,7 +37,17 @@ class SlurmBackend(Protocol):
 
     def nodes(self) -> list[NodeInfo]: ...
 
-    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> int: ...
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted: ...
+
+
+class Submitted(NamedTuple):
+    """sbatch's exit status and the job id it printed (None when it printed none)."""
+
+    code: int
+    job_id: str | None = None
+
+
+_JOB_ID = re.compile(rb"^(?:Submitted batch job )?(\d+)(?:;\S+)?\s*$")
 
 
 def parse_gres(gres: str) -> dict[str, int]:
@@ -86,13 +97,29 @@ class CliBackend:
                 merged[name] = NodeInfo(name, (part,), parse_gres(gres), state)
         return list(merged.values())
 
-    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> int:
-        """Run sbatch with the terminal's stdout/stderr, so its output is exactly sbatch's."""
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
+        """Run sbatch; its stderr is the terminal's, its stdout is passed through line by line
+        as it comes (so ``--wait`` still shows the job id at once) and read for the job id."""
         argv = [self.sbatch, *words]
         try:
-            return subprocess.run(argv, env=dict(env), input=stdin, check=False).returncode
+            proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.PIPE if stdin is not None else None,
+                                    stdout=subprocess.PIPE)
         except FileNotFoundError:
             raise SlurmError(f"{self.sbatch} not found on PATH") from None
+        if stdin is not None:
+            assert proc.stdin is not None
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+        assert proc.stdout is not None
+        out = sys.stdout.buffer
+        job_id = None
+        for line in proc.stdout:
+            out.write(line)
+            out.flush()
+            m = _JOB_ID.match(line) if job_id is None else None
+            if m:
+                job_id = m.group(1).decode()
+        return Submitted(proc.wait(), job_id)
 
 
 class PyslurmBackend(CliBackend):

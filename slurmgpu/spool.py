@@ -9,6 +9,7 @@ Writes are atomic (temporary name, then rename), so the ingest never sees half a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -26,24 +27,47 @@ def submission_spool(configured: str | None, env: Mapping[str, str]) -> str:
                               or os.path.join(PERSONAL_SPOOL, "submissions"))
 
 
-def write_record(directory: str, record: Mapping[str, Any]) -> str:
-    """Write one record atomically, readable by its owner only; returns the final path."""
-    name = f"sub-{record['record_id']}.json"
-    tmp = os.path.join(directory, f".{name}.tmp")
-    data = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def atomic_write(path: str, data: bytes, mode: int) -> None:
+    """Readers see no file or the whole file: temp file in the same directory, fsync, rename.
+
+    The temp name starts with a dot so a ``*.json`` glob never picks it up; on any failure it is removed.
+    """
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        final = os.path.join(directory, name)
-        os.replace(tmp, final)
-        return final
-    except BaseException:
         try:
+            os.fchmod(fd, mode)  # whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
+    with contextlib.suppress(OSError):  # make the rename durable; the file is complete either way
+        dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+
+def gpu_spool(configured: str | None, env: Mapping[str, str]) -> str:
+    """$SLURMGPU_GPU_SPOOL, then the site's collector spool, then a personal one."""
+    return os.path.expanduser(env.get("SLURMGPU_GPU_SPOOL") or configured or os.path.join(PERSONAL_SPOOL, "gpu"))
+
+
+def write_record(directory: str, record: Mapping[str, Any]) -> str:
+    """Write one submission record atomically, readable by its owner only; returns its path."""
+    path = os.path.join(directory, f"sub-{record['record_id']}.json")
+    atomic_write(path, json.dumps(record, separators=(",", ":"), sort_keys=True).encode(), 0o600)
+    return path
 
 
 def new_record(**fields: Any) -> dict[str, Any]:

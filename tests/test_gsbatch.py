@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from slurmgpu import gsbatch
 from slurmgpu.config import load_config
 from slurmgpu.policy import Decision
+from slurmgpu.slurm import Submitted
 
 
 class Recorder:
@@ -29,12 +32,12 @@ class Recorder:
     def nodes(self) -> list:
         return []
 
-    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> int:
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
         script = next((w for w in words if w.endswith(".sh")), None)
         content = Path(script).read_bytes() if script and Path(script).exists() else None
         self.calls.append({"words": list(words), "env": dict(env), "stdin": stdin, "content": content,
                            "mode": oct(os.stat(script).st_mode & 0o777) if content is not None else None})
-        return self.code
+        return Submitted(self.code, str(100 + len(self.calls)) if self.code == 0 else None)
 
 
 @pytest.fixture
@@ -44,9 +47,20 @@ def job(tmp_path: Path) -> Path:
     return p
 
 
+@pytest.fixture(autouse=True)
+def spool_dir(tmp_path: Path, monkeypatch) -> Path:
+    """Submission records go to a private spool per test."""
+    d = tmp_path / "spool"
+    d.mkdir()
+    monkeypatch.setenv("SLURMGPU_SUBMISSION_SPOOL", str(d))
+    return d
+
+
 def run(argv: list[str], sample_config: Path, backend: Recorder | None = None, env: dict | None = None):
     backend = backend or Recorder()
-    code = gsbatch.main(argv, env={"SLURMGPU_CONFIG": str(sample_config), **(env or {})}, backend=backend)
+    env = {"SLURMGPU_CONFIG": str(sample_config), "SLURMGPU_SUBMISSION_SPOOL": os.environ["SLURMGPU_SUBMISSION_SPOOL"],
+           **(env or {})}
+    code = gsbatch.main(argv, env=env, backend=backend)
     return code, backend
 
 
@@ -129,7 +143,7 @@ def test_internal_failure_submits_as_written(job: Path, sample_config: Path, cap
             raise RuntimeError("model file corrupt")
 
     be = Recorder()
-    code = gsbatch.main([str(job)], env={}, backend=be, decider=Exploding())
+    code = gsbatch.main([str(job)], env=dict(os.environ), backend=be, decider=Exploding())
     assert code == 0 and be.calls[0]["words"] == [str(job)]
     assert capsys.readouterr().err == ("gsbatch: warning: slurmgpu failed (RuntimeError: model file corrupt); "
                                        "submitting as written\n")
@@ -153,3 +167,20 @@ def test_invocation_split() -> None:
 def test_sample_config_loads(sample_config: Path) -> None:
     cfg = load_config(sample_config)
     assert cfg.default_partition == "gpu" and cfg.partitions_with("t4")[0].name == "gpu-small"
+
+
+def test_submission_is_recorded_in_the_spool(job: Path, sample_config: Path, spool_dir: Path) -> None:
+    code, _ = run([str(job)], sample_config)
+    [rec_path] = list(spool_dir.iterdir())
+    rec = json.loads(rec_path.read_text())
+    assert oct(rec_path.stat().st_mode & 0o777) == "0o600"
+    assert rec["job_id"] == "101" and rec["sbatch_exit"] == 0 and rec["changed"] is True
+    assert rec["cluster"] == "slurmgpu" and rec["original_request"]["partition"] == "gpu-small"
+    assert rec["decision"]["changes"][0]["partition"] == "gpu"
+    assert rec["script_sha256"] == hashlib.sha256(job.read_bytes()).hexdigest()
+
+
+def test_unwritable_spool_warns_but_submits(job: Path, sample_config: Path, tmp_path: Path, capsys) -> None:
+    code, be = run([str(job)], sample_config, env={"SLURMGPU_SUBMISSION_SPOOL": str(tmp_path / "missing")})
+    assert code == 0 and len(be.calls) == 1
+    assert "gsbatch: warning: submission record not written" in capsys.readouterr().err

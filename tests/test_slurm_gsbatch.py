@@ -19,7 +19,9 @@ BIN = Path(sys.executable).parent
 
 
 def run(argv: list[str], cwd: Path, config: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(config)}
+    spool = cwd / "spool"
+    spool.mkdir(exist_ok=True)
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(config), "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
     return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=60, check=False)
 
 
@@ -85,8 +87,8 @@ def test_decided_type_and_count_reach_the_scheduler(tmp_path: Path, submitted: l
             return Decision((ComponentChange(0, "t4", 3, "gpu-small"),), ("test decision",), decider=self.name)
 
     p = script(tmp_path, "big.sh", "#SBATCH --gres=gpu:a100:4\n#SBATCH -p gpu")
-    code = gsbatch.main(["--parsable", str(p)], env={"PATH": "/usr/bin:/bin"}, backend=CliBackend(),
-                        decider=Fixed())
+    env = {"PATH": "/usr/bin:/bin", "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path)}
+    code = gsbatch.main(["--parsable", str(p)], env=env, backend=CliBackend(), decider=Fixed())
     out, err = capfd.readouterr()
     assert code == 0, err
     submitted.append(job_id_of(out))
