@@ -27,6 +27,7 @@ test-unit: install
 
 bench: install cluster-up
 	$(PY) benchmarks/bench_gsbatch.py
+	$(PY) benchmarks/bench_ingest.py
 
 lint: install
 	$(VENV)/bin/ruff check slurmgpu tests benchmarks

@@ -36,6 +36,7 @@ def main(runs: int) -> dict[str, dict[str, float]]:
     ids: list[str] = []
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        env["SLURMGPU_SUBMISSION_SPOOL"] = tmp  # records are written, as in production
         try:
             for case, directives in CASES.items():
                 script = Path(tmp) / f"{case}.sh"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -71,7 +70,8 @@ def write_record(directory: str, record: Mapping[str, Any]) -> str:
 
 
 def new_record(**fields: Any) -> dict[str, Any]:
-    return {"version": RECORD_VERSION, "record_id": uuid.uuid4().hex,
+    # os.urandom rather than uuid: importing uuid costs gsbatch ~10 ms.
+    return {"version": RECORD_VERSION, "record_id": os.urandom(16).hex(),
             "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"), **fields}
 
 
