@@ -17,7 +17,7 @@ from slurmgpu.errors import ConfigError
 
 SYSTEM_CONFIG = "/etc/slurmgpu/slurmgpu.toml"  # a str: pathlib costs gsbatch start-up time
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-DECIDERS = ("keep", "rules")
+DECIDERS = ("keep", "rules", "model")
 OBJECTIVES = ("fastest", "cheapest", "balanced")
 
 
@@ -43,6 +43,8 @@ class Policy(NamedTuple):
     min_gain: float = 0.10
     memory_margin: float = 0.10
     min_confidence: float = 0.70
+    min_history: int = 3  # jobs of a family before its predictions are trusted
+    scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
 
 
 class Site(NamedTuple):
@@ -52,6 +54,7 @@ class Site(NamedTuple):
     database_url: str | None = None
     submission_spool: str | None = None
     gpu_spool: str | None = None
+    model_path: str | None = None
 
 
 class Config(NamedTuple):
@@ -187,6 +190,8 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         min_gain=pol.number("min_gain", 0.10, above=False),
         memory_margin=pol.number("memory_margin", 0.10, above=False),
         min_confidence=pol.number("min_confidence", 0.70, above=False),
+        min_history=int(pol.number("min_history", 3, above=False)),
+        scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),
     )
     if policy.decider not in DECIDERS:
         raise pol._err("decider", f"must be one of {', '.join(DECIDERS)}, got {policy.decider!r}")

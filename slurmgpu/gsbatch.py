@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from slurmgpu.config import Config, find_config, load_config
 from slurmgpu.errors import InputError
@@ -162,10 +162,64 @@ def load_site(inv: Invocation, env: Mapping[str, str]) -> Config | None:
     return load_config(path) if path else None
 
 
+def model_path(config: Config | None, env: Mapping[str, str]) -> str:
+    from slurmgpu.spool import PERSONAL_SPOOL
+
+    site = config.site.model_path if config else None
+    return os.path.expanduser(env.get("SLURMGPU_MODEL") or site
+                              or os.path.join(os.path.dirname(PERSONAL_SPOOL), "model.json"))
+
+
+def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
+    """The configured decider; a model that cannot be used leaves the request as written."""
+    if config is None or config.policy.decider != "model":
+        return make_decider(config)
+    from slurmgpu.models import Bundle
+
+    path = model_path(config, env)
+    try:
+        bundle = Bundle.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _note(sys.stderr, "warning", f"model {path} unusable ({exc}); request kept as written")
+        return KeepDecider("model unusable")
+    user = env.get("USER") or env.get("LOGNAME")
+    return make_decider(config, bundle, cached_free_gpus(backend, env), user)
+
+
+def cached_free_gpus(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:
+    """Idle GPUs per type, from a per-user cache a few seconds old at most (sinfo is not free)."""
+    import json
+    import time
+
+    def free() -> dict[str, int]:
+        path = os.path.join(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache"), "slurmgpu", "free-gpus.json")
+        try:
+            if time.time() - os.stat(path).st_mtime < ttl_s:
+                with open(path) as fh:
+                    return json.load(fh)
+        except (OSError, ValueError):
+            pass
+        try:
+            data = backend.free_gpus()
+        except Exception:  # noqa: BLE001 - no cluster view: rank by runtime alone
+            return {}
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            from slurmgpu.spool import atomic_write
+
+            atomic_write(path, json.dumps(data).encode(), 0o600)
+        except OSError:
+            pass
+        return data
+
+    return free
+
+
 def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Plan, result: Submitted) -> None:
     """Leave a submission record in the spool for the ingest; never fails the submission."""
     import hashlib
 
+    from slurmgpu.features import script_features
     from slurmgpu.spool import PERSONAL_SPOOL, ensure_personal_spool, new_record, submission_spool, write_record
 
     site = config.site if config else None
@@ -177,7 +231,8 @@ def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Pl
         write_record(directory, new_record(
             cluster=site.cluster if site else None, job_id=result.job_id, sbatch_exit=result.code,
             script_sha256=hashlib.sha256(script.data).hexdigest() if script else None,
-            features={"script_name": os.path.basename(inv.script) if inv.script else None,
+            features={"script": script_features(script.text) if script else None,
+                      "script_name": os.path.basename(inv.script) if inv.script else None,
                       "sbatch_options": list(inv.options), "wrap": inv.wrap},
             original_request=p.request.to_json() if p.request else None,
             decision=p.decision.to_json(), changed=p.submission.changed))
@@ -199,7 +254,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     config = None
     try:
         config = load_site(inv, env)
-        decider = decider or make_decider(config)
+        decider = decider or site_decider(config, backend, env)
     except InputError as exc:
         _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")
         decider = KeepDecider("config unusable")

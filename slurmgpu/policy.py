@@ -7,6 +7,8 @@ and — when the request cannot be satisfied at all — why it is refused before
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.config import Config
@@ -22,11 +24,23 @@ class ComponentChange(NamedTuple):
     partition: str | None = None
 
 
+class Candidate(NamedTuple):
+    """One GPU type and count the model weighed, with its numbers (for --explain and predict)."""
+
+    gpu_type: str
+    gpus: int
+    fits: bool
+    pred_peak_mem_mib: float
+    pred_runtime_s: float
+    expected_wait_s: float
+
+
 class Decision(NamedTuple):
     changes: tuple[ComponentChange, ...] = ()
     reasons: tuple[str, ...] = ()
     refusal: str | None = None
     decider: str = "keep"
+    per_type: tuple[Candidate, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -39,6 +53,7 @@ class Decision(NamedTuple):
             "refused": self.refusal,
             "changes": [c._asdict() for c in self.changes],
             "reasons": list(self.reasons),
+            "per_type": [c._asdict() for c in self.per_type],
         }
 
 
@@ -132,9 +147,121 @@ class RuleDecider:
         return None, reasons, None
 
 
-def make_decider(config: Config | None) -> Decider:
+class ModelDecider:
+    """Chooses type and count from the learned models, and only when that is clearly better.
+
+    The user's request stands when the job family has too little history, when the request is
+    pinned (a GPU feature in --constraint, a heterogeneous job, no script to read), or when the
+    best choice gains less than ``policy.min_gain``. A type whose predicted peak memory plus the
+    margin exceeds the card is never chosen, and the count never goes below the requested count's
+    memory need. The admin rules still apply first (a refusal stands).
+    """
+
+    name = "model"
+    busy_wait_s = 1800.0  # assumed wait when a type has too few idle GPUs right now
+
+    def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
+                 user: str | None = None) -> None:
+        self.config, self.bundle, self.free_gpus, self.user = config, bundle, free_gpus, user
+        self.rules = RuleDecider(config)
+
+    def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = ()) -> Decision:
+        return rule._replace(reasons=(*rule.reasons, why), decider=self.name, per_type=per_type)
+
+    def decide(self, request: JobRequest) -> Decision:
+        from slurmgpu.features import job_features, script_features
+
+        rule = self.rules.decide(request)
+        if rule.refusal:
+            return rule
+        comp = request.main
+        if request.is_hetjob or not comp.gpus or request.script is None:
+            return self._keep(rule, "model: heterogeneous, GPU-less or script-less job; request kept")
+        if comp.constraint_gpu_types or len({g.option for g in comp.gpus}) > 1:
+            return self._keep(rule, "model: the request pins its GPU type; request kept")
+        sf = script_features(request.script.text)
+        fam_n = self.bundle.history.family(sf["family"]).get("n", 0)
+        policy = self.config.policy
+        if fam_n < policy.min_history:
+            return self._keep(rule, f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history}); "
+                                    "request kept")
+        target = rule.changes[0].partition if rule.changes else None
+        parts = [target] if target else (comp.partitions or [self.config.default_partition or ""])
+        offered = [p for p in (self.config.partitions.get(n) for n in parts) if p]
+        if not offered:
+            return self._keep(rule, "model: partition unknown to the config; request kept")
+        req_type, req_total = comp.gpu_type, comp.gpus_total
+        free = self.free_gpus()
+        req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
+        table: list[Candidate] = []
+        for part in offered:
+            for gtype in part.gpu_types:
+                gt = self.config.gpu_types[gtype]
+                gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
+                counts = range(1, min(req_total, part.gpus_per_node) + 1) if comp.nodes == 1 else [req_total]
+                for c in counts:
+                    pred = self.bundle.predict(job_features(sf, req, gpu, c, self.bundle.history, self.user),
+                                               sf["family"])
+                    fits = pred.peak_mem_mib * (1 + policy.memory_margin) <= gt.memory_gib * 1024
+                    wait = 0.0 if free.get(gtype, 0) >= c else self.busy_wait_s
+                    table.append(Candidate(gtype, c, fits, pred.peak_mem_mib, pred.runtime_s, wait))
+        per_type = tuple(table)
+        asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
+        if not asked:
+            return self._keep(rule, "model: the requested type/count is outside the configured partitions; "
+                                    "request kept", per_type)
+        baseline = min(asked, key=lambda c: c.expected_wait_s + c.pred_runtime_s)
+        choices = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
+        choices = [c for c in choices if c is not None]
+        if not choices:
+            return self._keep(rule, "model: no candidate type fits the predicted memory; request kept", per_type)
+        best = min(choices, key=lambda c: self._score(c, baseline))
+        gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline)
+        if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
+            return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept",
+                              per_type)
+        partition = next(p.name for p in offered if best.gpu_type in p.gpu_types)
+        effective = target or comp.partition or self.config.default_partition
+        change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
+                                 gpus_total=best.gpus if best.gpus != req_total else None,
+                                 partition=partition if (target or partition != effective) else None)
+        why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} predicted to finish in "
+               f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
+               f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
+               f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits")
+        return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
+
+    def _mem_gib(self, gtype: str | None) -> float:
+        t = self.config.gpu_types.get(gtype or "")
+        return t.memory_gib if t else 0.0
+
+    def _enough(self, full: Candidate, table: list[Candidate]) -> Candidate | None:
+        """The fewest GPUs of this type that fit and run within the scaling factor of ``full``."""
+        limit = full.pred_runtime_s * self.config.policy.scaling_factor
+        fewer = [c for c in table if c.gpu_type == full.gpu_type and c.fits and c.pred_runtime_s <= limit]
+        return min(fewer, key=lambda c: c.gpus) if fewer else None
+
+    def _score(self, c: Candidate, base: Candidate) -> float:
+        """Lower is better, relative to the request as asked."""
+        done = c.expected_wait_s + c.pred_runtime_s
+        cost = c.pred_runtime_s * c.gpus * self.config.gpu_types[c.gpu_type].cost
+        base_done = base.expected_wait_s + base.pred_runtime_s
+        base_cost = base.pred_runtime_s * base.gpus * self.config.gpu_types[base.gpu_type].cost
+        objective = self.config.policy.objective
+        if objective == "fastest":
+            return done / base_done
+        if objective == "cheapest":
+            return cost / base_cost if done <= base_done * self.config.policy.scaling_factor else math.inf
+        return 0.5 * done / base_done + 0.5 * cost / base_cost
+
+
+def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[], Mapping[str, int]] | None = None,
+                 user: str | None = None) -> Decider:
+    """The configured decider; the model decider needs a loaded bundle (else: keep)."""
     if config is None:
         return KeepDecider("no slurmgpu config installed; request kept")
     if config.policy.decider == "keep":
         return KeepDecider("policy.decider = keep")
+    if config.policy.decider == "model" and model is not None:
+        return ModelDecider(config, model, free_gpus or (lambda: {}), user)
     return RuleDecider(config)

@@ -37,6 +37,8 @@ class SlurmBackend(Protocol):
 
     def nodes(self) -> list[NodeInfo]: ...
 
+    def free_gpus(self) -> dict[str, int]: ...
+
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted: ...
 
 
@@ -83,6 +85,21 @@ class CliBackend:
 
     def version(self) -> str:
         return self._run([self.sinfo, "--version"]).split()[-1]
+
+    def free_gpus(self) -> dict[str, int]:
+        """Idle GPUs per type right now (each node counted once, whatever its partitions)."""
+        out = self._run([self.sinfo, "-h", "-N", "-O", "NodeHost:|,Gres:|,GresUsed:|,StateCompact:|"])
+        free: dict[str, int] = {}
+        seen = set()
+        for line in out.splitlines():
+            host, gres, used, state = line.split("|")[:4]
+            if host in seen or any(s in state for s in ("down", "drain", "fail", "maint")):
+                continue
+            seen.add(host)
+            busy = parse_gres(re.sub(r"\(IDX:[^)]*\)", "", used))
+            for gtype, count in parse_gres(gres).items():
+                free[gtype] = free.get(gtype, 0) + count - busy.get(gtype, 0)
+        return free
 
     def nodes(self) -> list[NodeInfo]:
         out = self._run([self.sinfo, "-h", "-N", "-o", "%N|%P|%G|%T"])

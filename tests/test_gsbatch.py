@@ -32,6 +32,9 @@ class Recorder:
     def nodes(self) -> list:
         return []
 
+    def free_gpus(self) -> dict[str, int]:
+        return {"a100": 4, "v100": 4, "t4": 4}
+
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
         script = next((w for w in words if w.endswith(".sh")), None)
         content = Path(script).read_bytes() if script and Path(script).exists() else None

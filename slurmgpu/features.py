@@ -1,0 +1,202 @@
+"""Features of a job, from its script and request, the same for training and prediction.
+
+``job_features`` works from plain values (a script text and a request dict) so gsbatch needs
+neither pandas nor a database; history statistics come from a snapshot shipped with the model.
+The "family" key is the job's main command with numbers and paths taken out, so a user's next
+run of the same training with another learning rate or batch size lands in the same family.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "python3", "python", "srun")
+# Parameter counts (billions) of model names users commonly pass; a family never seen before
+# still gets a size estimate from its name.
+MODEL_SIZES_B = {
+    "resnet18": 0.0117, "resnet50": 0.0256, "resnet101": 0.0445, "vit-base": 0.086, "vit-large": 0.307,
+    "bert-base": 0.110, "bert-large": 0.340, "roberta-base": 0.125, "roberta-large": 0.355, "gpt2": 0.124,
+    "t5-base": 0.220, "t5-large": 0.770, "llama-2-7b": 6.7, "llama-2-13b": 13.0, "llama-7b": 6.7,
+    "llama-13b": 13.0, "mistral-7b": 7.2, "llama-3-8b": 8.0, "stable-diffusion": 0.86, "sd-unet": 0.86,
+    "dlrm": 0.54, "unet": 0.03,
+}
+_SIZE_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)\s*([bm])\b", re.IGNORECASE)
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")
+_OPTION_VALUE = {
+    "batch_size": ("--batch-size", "--batch_size", "--per_device_train_batch_size", "--train-batch-size",
+                   "--train_batch_size", "--bs", "--micro-batch-size", "--micro_batch_size"),
+    "seq_len": ("--seq-len", "--seq_len", "--max_seq_length", "--max-seq-length", "--max_length",
+                "--max-length", "--block_size", "--block-size", "--context-length"),
+    "model": ("--model", "--model_name_or_path", "--model-name", "--model_name", "--arch", "--pretrained"),
+    "steps": ("--max-steps", "--max_steps", "--steps", "--num-steps", "--iterations", "--iters"),
+    "epochs": ("--epochs", "--num_train_epochs", "--num-epochs"),
+    "nproc": ("--nproc_per_node", "--nproc-per-node", "--num_processes", "--num-processes", "--num_gpus",
+              "--num-gpus"),
+    "zero": ("--zero", "--zero-stage", "--zero_stage"),
+    "image_size": ("--image-size", "--image_size", "--img-size", "--resolution"),
+}
+_FLAGS = {
+    "fp16": ("--fp16", "--amp", "--half", "--mixed-precision=fp16", "--mixed_precision=fp16"),
+    "bf16": ("--bf16", "--mixed-precision=bf16", "--mixed_precision=bf16"),
+    "lora": ("--lora", "--use_lora", "--use-lora", "--peft", "--qlora"),
+    "ckpt": ("--gradient-checkpointing", "--gradient_checkpointing", "--activation-checkpointing"),
+    "int8": ("--load_in_8bit", "--load-in-8bit", "--8bit", "--load_in_4bit", "--load-in-4bit", "--qlora"),
+}
+NUMERIC = ("req_gpus", "req_gpu_mem_gib", "gpus", "gpu_mem_gib", "gpu_speed", "params_b", "log_tokens",
+           "batch_size", "seq_len", "precision_bits", "lora", "ckpt", "zero", "int8", "nproc", "log_steps",
+           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate",
+           "user_n", "user_overask")
+
+
+def command_lines(script: str) -> list[str]:
+    """The script's command lines (not comments, not directives), continuation lines joined."""
+    text = script.replace("\\\n", " ")
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def main_command(lines: list[str]) -> str:
+    """The line that launches the work: the first one naming a launcher, else the last line."""
+    for line in lines:
+        words = line.split()
+        if any(w.rsplit("/", 1)[-1] in LAUNCHERS for w in words[:4]):
+            return line
+    return lines[-1] if lines else ""
+
+
+def _words(line: str) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:
+        return line.split()
+
+
+def option_values(words: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for i, w in enumerate(words):
+        name, eq, val = w.partition("=")
+        for key, spellings in _OPTION_VALUE.items():
+            if name in spellings and key not in out:
+                if eq:
+                    out[key] = val
+                elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+                    out[key] = words[i + 1]
+    return out
+
+
+def family_key(command: str) -> str:
+    """Same command with other numbers, paths or quoting: the same family."""
+    words = [w.rsplit("/", 1)[-1] for w in _words(command)]
+    norm = " ".join(_NUMBER.sub("N", w) for w in words if not w.startswith("$"))
+    return hashlib.sha1(norm.encode()).hexdigest()[:12]
+
+
+def model_size_b(name: str | None, text: str) -> float:
+    """Parameter count in billions, from a known name or a size written in it (7b, 350m)."""
+    hay = (name or "").lower()
+    for key, size in MODEL_SIZES_B.items():
+        if key in hay:
+            return size
+    m = _SIZE_IN_NAME.search(hay) or _SIZE_IN_NAME.search(text.lower())
+    if m:
+        return float(m.group(1)) / (1 if m.group(2).lower() == "b" else 1000)
+    for key, size in MODEL_SIZES_B.items():
+        if key in text.lower():
+            return size
+    return 0.1
+
+
+def _num(text: str | None, default: float) -> float:
+    try:
+        return float(text) if text is not None else default
+    except ValueError:
+        return default
+
+
+def script_features(script: str) -> dict[str, Any]:
+    """What the script says about the work: model, batch, sequence, precision, tricks."""
+    lines = command_lines(script)
+    command = main_command(lines)
+    words = _words(command)
+    opts = option_values(words)
+    lowered = " ".join(lines).lower()
+    flags = {k: int(any(s in lowered for s in spellings)) for k, spellings in _FLAGS.items()}
+    precision = 16 if (flags["fp16"] or flags["bf16"]) else 32
+    batch = _num(opts.get("batch_size"), 32.0)
+    seq = _num(opts.get("seq_len"), 0.0) or _num(opts.get("image_size"), 0.0) or 1.0
+    steps = _num(opts.get("steps"), 0.0) or _num(opts.get("epochs"), 1.0) * 1000.0
+    return {
+        "family": family_key(command),
+        "launcher": next((w.rsplit("/", 1)[-1] for w in words if w.rsplit("/", 1)[-1] in LAUNCHERS), "other"),
+        "model": (opts.get("model") or "").rsplit("/", 1)[-1].lower() or None,
+        "params_b": model_size_b(opts.get("model"), command),
+        "batch_size": batch,
+        "seq_len": seq,
+        "log_tokens": math.log(max(batch * seq, 1.0)),
+        "precision_bits": precision,
+        "lora": flags["lora"],
+        "ckpt": flags["ckpt"],
+        "int8": flags["int8"],
+        "zero": _num(opts.get("zero"), 0.0) or (2.0 if "zero" in lowered or "ds_config" in lowered else 0.0),
+        "nproc": _num(opts.get("nproc"), 1.0),
+        "log_steps": math.log(max(steps, 1.0)),
+    }
+
+
+class HistoryStats:
+    """Per-family and per-user statistics, computed as of training time and shipped in the model."""
+
+    def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None,
+                 users: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        self.families = dict(families or {})
+        self.users = dict(users or {})
+
+    def family(self, key: str) -> Mapping[str, float]:
+        return self.families.get(key, {})
+
+    def user(self, name: str | None) -> Mapping[str, float]:
+        return self.users.get(name or "", {})
+
+
+def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],
+                 gpus: int, history: HistoryStats, user: str | None) -> dict[str, float]:
+    """The model's numeric input for running this job on ``gpus`` GPUs of type ``gpu``.
+
+    ``gpu`` carries the candidate type's memory (GiB) and relative speed; ``request`` is the
+    normalised request (``JobRequest.to_json()``) with the requested type's memory filled in.
+    """
+    fam = history.family(script_feats["family"])
+    usr = history.user(user)
+    return {
+        "req_gpus": float(request.get("gpus_total") or 0),
+        "req_gpu_mem_gib": float(request.get("req_gpu_mem_gib") or 0.0),
+        "gpus": float(gpus),
+        "gpu_mem_gib": float(gpu["memory_gib"]),
+        "gpu_speed": float(gpu["relative_speed"]),
+        "params_b": float(script_feats["params_b"]),
+        "log_tokens": float(script_feats["log_tokens"]),
+        "batch_size": float(script_feats["batch_size"]),
+        "seq_len": float(script_feats["seq_len"]),
+        "precision_bits": float(script_feats["precision_bits"]),
+        "lora": float(script_feats["lora"]),
+        "ckpt": float(script_feats["ckpt"]),
+        "zero": float(script_feats["zero"]),
+        "int8": float(script_feats["int8"]),
+        "nproc": float(script_feats["nproc"]),
+        "log_steps": float(script_feats["log_steps"]),
+        "fam_n": float(fam.get("n", 0.0)),
+        "fam_log_peak_max": float(fam.get("log_peak_max", 0.0)),
+        "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
+        "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
+        "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
+        "user_n": float(usr.get("n", 0.0)),
+        "user_overask": float(usr.get("overask", 1.0)),
+    }
+
+
+def vector(features: Mapping[str, float]) -> list[float]:
+    return [features[name] for name in NUMERIC]

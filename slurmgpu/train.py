@@ -1,0 +1,186 @@
+"""Training and held-out evaluation of the models, from the history database (pandas here only).
+
+Every training row's history features are computed from strictly earlier jobs, as they would
+have been known at its submission; the bundle ships the statistics as of the end of training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import String, cast, func, select
+from sqlalchemy.engine import Engine
+
+from slurmgpu.config import Config
+from slurmgpu.db import GpuUsage, Job, Submission
+from slurmgpu.features import NUMERIC, HistoryStats, job_features, script_features
+from slurmgpu.models import BUNDLE_VERSION, Bundle, TreeEnsemble, analytic_base_mib, family_base_mib
+
+USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
+
+
+def history_rows(engine: Engine) -> list[dict[str, Any]]:
+    """Jobs that ran on GPUs, with script features (from gsbatch's record or an imported
+    script) and their measured per-GPU peak memory, oldest first."""
+    usage = (select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib).label("peak"))
+             .group_by(GpuUsage.cluster, GpuUsage.job_id).subquery())
+    stmt = (select(Job.cluster, Job.job_id, Job.user, Job.submit_time, Job.state, Job.gpu_type, Job.gpu_count,
+                   Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, usage.c.peak, Submission.features,
+                   Submission.original_request)
+            .outerjoin(usage, (usage.c.cluster == Job.cluster)
+                       & ((usage.c.job_id == Job.job_id) | (usage.c.job_id == cast(Job.job_id_raw, String))))
+            .outerjoin(Submission, (Submission.cluster == Job.cluster) & (Submission.job_id == Job.job_id))
+            .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
+            .order_by(Job.submit_time, Job.job_id))
+    out = []
+    with engine.connect() as conn:
+        for r in conn.execute(stmt).mappings():
+            feats = (r["features"] or {}).get("script")
+            if feats is None and r["comment"] and r["comment"].startswith("script:"):
+                feats = script_features(r["comment"][len("script:"):])
+            if feats is None:
+                continue
+            peak = r["peak"] if r["peak"] is not None else r["sacct_gpu_mem_mib"]
+            out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
+                        "gpu_type": r["gpu_type"], "gpus": r["gpu_count"], "elapsed": r["elapsed_s"],
+                        "peak": peak, "script": feats, "request": r["original_request"] or {}})
+    return out
+
+
+class _Running:
+    """Per-family and per-user statistics accumulated in submission order."""
+
+    def __init__(self) -> None:
+        self.fam: dict[str, dict[str, float]] = {}
+        self.usr: dict[str, dict[str, float]] = {}
+
+    def snapshot(self) -> HistoryStats:
+        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()},
+                            {k: {"n": v["n"], "overask": v["ask"] / max(v["use"], 1e-9)} for k, v in self.usr.items()})
+
+    @staticmethod
+    def _family_view(s: Mapping[str, float]) -> dict[str, float]:
+        n, m = s["n"], s["m"]
+        view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
+                "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0}
+        var = s["tt"] - s["t"] ** 2 / m if m else 0.0
+        if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
+            b = (s["tp"] - s["t"] * s["p"] / m) / var
+            if b > 0:
+                a = (s["p"] - b * s["t"]) / m
+                view.update(a=a, b=b)
+        return view
+
+    def family_now(self, key: str) -> dict[str, float]:
+        s = self.fam.get(key)
+        return self._family_view(s) if s else {}
+
+    def user_now(self, user: str | None) -> dict[str, float]:
+        s = self.usr.get(user or "")
+        return {"n": s["n"], "overask": s["ask"] / max(s["use"], 1e-9)} if s else {}
+
+    def add(self, row: Mapping[str, Any], gpu_mem_mib: float) -> None:
+        key = row["script"]["family"]
+        s = self.fam.setdefault(key, dict.fromkeys(("n", "m", "oom", "lpmax", "ltmax", "lpsum", "t", "p", "tt",
+                                                    "tp"), 0.0))
+        s["n"] += 1
+        if row["state"] == "OUT_OF_MEMORY":
+            s["oom"] += 1
+        elif row["peak"]:
+            tokens = math.exp(row["script"]["log_tokens"])
+            lp = math.log(row["peak"])
+            s["m"] += 1
+            s["lpsum"] += lp
+            if lp >= s["lpmax"]:
+                s["lpmax"], s["ltmax"] = lp, row["script"]["log_tokens"]
+            s["t"] += tokens
+            s["p"] += row["peak"]
+            s["tt"] += tokens * tokens
+            s["tp"] += tokens * row["peak"]
+        u = self.usr.setdefault(row["user"] or "", {"n": 0.0, "ask": 0.0, "use": 0.0})
+        u["n"] += 1
+        if row["peak"]:
+            u["ask"] += gpu_mem_mib
+            u["use"] += row["peak"]
+
+
+def _gpu(config: Config, name: str | None) -> dict[str, float]:
+    t = config.gpu_types.get(name or "")
+    return {"memory_gib": t.memory_gib, "relative_speed": t.relative_speed} if t else \
+        {"memory_gib": 0.0, "relative_speed": 1.0}
+
+
+def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[list[dict[str, Any]], HistoryStats]:
+    """Feature rows with history as of each job's submission, and the final snapshot."""
+    running = _Running()
+    examples = []
+    for row in rows:
+        gpu = _gpu(config, row["gpu_type"])
+        history = HistoryStats({row["script"]["family"]: running.family_now(row["script"]["family"])},
+                               {row["user"] or "": running.user_now(row["user"])})
+        request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"]}
+        gpus = max(int(row["gpus"]), 1)
+        f = job_features(row["script"], request, gpu, gpus, history, row["user"])
+        base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
+        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base})
+        running.add(row, gpu["memory_gib"] * 1024)
+    return examples, running.snapshot()
+
+
+def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.99, iterations: int = 400,
+        progress: Callable[[str], None] = lambda s: None) -> tuple[Bundle, list[dict[str, Any]]]:
+    """Fit both models; returns the bundle and the examples (for evaluation)."""
+    from catboost import CatBoostRegressor
+
+    examples, snapshot = build_examples(rows, config)
+    mem = [e for e in examples if e["peak"] and e["state"] != "OUT_OF_MEMORY"]
+    run = [e for e in examples if e["state"] == "COMPLETED" and e["elapsed"]]
+    if len(mem) < 20 or len(run) < 20:
+        raise ValueError(f"too little history to train: {len(mem)} jobs with GPU memory, {len(run)} completed")
+    progress(f"memory model on {len(mem)} jobs")
+    m_mem = CatBoostRegressor(iterations=iterations, depth=6, loss_function=f"Quantile:alpha={quantile}",
+                              verbose=0, allow_writing_files=False, thread_count=2, random_seed=0)
+    m_mem.fit([e["x"] for e in mem], [math.log(e["peak"] / e["base"]) for e in mem])
+    progress(f"runtime model on {len(run)} jobs")
+    m_run = CatBoostRegressor(iterations=iterations, depth=6, loss_function="RMSE", verbose=0,
+                              allow_writing_files=False, thread_count=2, random_seed=0)
+    m_run.fit([e["x"] for e in run], [math.log(max(e["elapsed"], 1)) for e in run])
+    bundle = Bundle({
+        "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
+        "memory": TreeEnsemble.from_catboost(m_mem), "runtime": TreeEnsemble.from_catboost(m_run),
+        "history": {"families": snapshot.families, "users": snapshot.users},
+        "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
+        "jobs": len(examples),
+    })
+    return bundle, examples
+
+
+def split_by_time(rows: list[dict[str, Any]], test_days: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if not rows:
+        return [], []
+    cut = max(r["submit"] for r in rows) - timedelta(days=test_days)
+    return [r for r in rows if r["submit"] <= cut], [r for r in rows if r["submit"] > cut]
+
+
+def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
+             config: Config) -> dict[str, Any]:
+    """Held-out metrics: memory under-prediction rate, runtime error, and whether the chosen
+    type would have held the job (true peak within the card) where the user's request did."""
+    examples, _ = build_examples([*train_rows, *test_rows], config)
+    test_ids = {r["job_id"] for r in test_rows}
+    tests = [e for e in examples if e["job_id"] in test_ids]
+    mem = [e for e in tests if e["peak"] and e["state"] != "OUT_OF_MEMORY"]
+    run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"]]
+    under = sum(1 for e in mem if e["base"] * math.exp(bundle.memory.predict(e["x"])) < e["peak"])
+    ape = sorted(abs(math.exp(bundle.runtime.predict(e["x"])) - e["elapsed"]) / e["elapsed"] for e in run)
+    return {
+        "test_jobs": len(tests),
+        "memory_jobs": len(mem),
+        "memory_under_prediction_rate": under / len(mem) if mem else None,
+        "runtime_jobs": len(run),
+        "runtime_mdape": ape[len(ape) // 2] if ape else None,
+    }
+
