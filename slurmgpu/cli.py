@@ -343,7 +343,7 @@ def _model_path(ctx: click.Context) -> str:
 @main.command("train")
 @click.option("--test-days", type=click.FloatRange(min=0), default=7, show_default=True,
               help="Hold out the last N days of history for evaluation (0: none).")
-@click.option("--quantile", type=click.FloatRange(0.5, 0.999), default=0.99, show_default=True,
+@click.option("--quantile", type=click.FloatRange(0.5, 0.999), default=0.995, show_default=True,
               help="Quantile of peak GPU memory the memory model predicts.")
 @click.option("--iterations", type=click.IntRange(min=10), default=400, show_default=True)
 @click.option("--keep-better/--always-replace", default=True, show_default=True,

@@ -213,7 +213,7 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
     out: list[tuple[float, float, str, Alloc]] = [(0.0, 0.0, "", [])] * n_jobs
     free = list(cap)
     ends: list[tuple[float, int]] = []  # (actual end, queue rank): ties end in queue order
-    running: dict[int, tuple[float, Alloc]] = {}  # rank -> (end by time limit, allocation)
+    running: dict[int, tuple[float, int, Alloc]] = {}  # rank -> (end by time limit, rank, allocation)
     queue: list[int] = []  # pending ranks in queue order
     # The head's reservation: at ``shadow`` it takes ``held``; ``long_free`` is what a job
     # running past ``shadow`` may use now (on the head's nodes only what the head leaves over).
@@ -228,7 +228,7 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
         ran, state = (min(job.runtime_s, oom_after_s), OUT_OF_MEMORY) if job.oom else (job.runtime_s, COMPLETED)
         if ran > job.time_limit_s:
             ran, state = job.time_limit_s, TIMEOUT
-        running[i] = (t + job.time_limit_s, alloc)
+        running[i] = (t + job.time_limit_s, i, alloc)
         heapq.heappush(ends, (t + ran, i))
         out[i] = (t, t + ran, state, alloc)
 
@@ -236,12 +236,12 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
         """Earliest time the head fits if running jobs end at their limits, and where."""
         nonlocal shadow, extra, long_free
         sim = free[:]
-        by_limit = sorted(running.items(), key=lambda kv: (kv[1][0], kv[0]))
+        by_limit = sorted(running.values())
         k = 0
         while k < len(by_limit):
-            shadow = by_limit[k][1][0]
-            while k < len(by_limit) and by_limit[k][1][0] == shadow:
-                for n, c in by_limit[k][1][1]:
+            shadow = by_limit[k][0]
+            while k < len(by_limit) and by_limit[k][0] == shadow:
+                for n, c in by_limit[k][2]:
                     sim[n] += c
                 k += 1
             held = _place(gpus[head], sim, cap, max_gpn)
@@ -253,23 +253,31 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
 
     def backfill(t: float, lo: int) -> None:
         """Start what fits among queue positions ``lo`` to the test depth without delaying the head."""
+        # Placement only gets harder as jobs start, so once a size fails, every larger one of the
+        # same kind fails too. fail[2 * multi-node + long]: the smallest size known not to fit.
+        fail = [max(free) + 1, max(long_free) + 1, math.inf, math.inf]
         started = []
         for pos in range(lo, min(len(queue), max_job_test)):
-            if max(free) == 0:
+            if fail[0] == 1:  # not one GPU free
                 break
             i = queue[pos]
             g = gpus[i]
-            if g <= max_gpn and g > max(free):
-                continue
             long = t + limit[i] > shadow
+            kind = 2 * (g > max_gpn) + long
+            if g >= fail[kind]:
+                continue
             alloc = _place(g, long_free if long else free, cap, max_gpn)
             if alloc is None:
+                fail[kind] = g
+                fail[kind | 1] = min(fail[kind | 1], g)  # what does not fit in free fits no less
                 continue
             start(i, t, alloc)
             for n, c in alloc:
                 if long and n in extra:
                     extra[n] -= c
                 long_free[n] = min(free[n], extra[n]) if n in extra else free[n]
+            fail[0] = min(fail[0], max(free) + 1)
+            fail[1] = min(fail[1], max(long_free) + 1)
             started.append(pos)
         for pos in reversed(started):
             del queue[pos]
@@ -278,7 +286,7 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
     while nxt < n_jobs or ends:
         t = min(submit[nxt] if nxt < n_jobs else math.inf, ends[0][0] if ends else math.inf)
         while ends and ends[0][0] == t:
-            for n, c in running.pop(heapq.heappop(ends)[1])[1]:
+            for n, c in running.pop(heapq.heappop(ends)[1])[2]:
                 free[n] += c
             dirty = True
         first_new = len(queue)

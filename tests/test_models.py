@@ -1,0 +1,177 @@
+"""The learned models and the model decider, on a history the test builds.
+
+Each family's per-GPU peak memory is linear in batch x sequence length and its runtime
+proportional to steps x tokens / GPU speed, with a few percent of noise — the shape the
+workload model produces — so the targets of the issue can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from slurmgpu import train
+from slurmgpu.config import load_config
+from slurmgpu.features import script_features
+from slurmgpu.gsbatch import site_decider
+from slurmgpu.models import Bundle, TreeEnsemble
+from slurmgpu.policy import KeepDecider, ModelDecider
+from slurmgpu.request import build_request
+from slurmgpu.script import parse_script
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEED = {"a100": 1.0, "v100": 0.45, "t4": 0.15}
+MEM = {"a100": 80 * 1024, "v100": 32 * 1024, "t4": 16 * 1024}
+# family: (command template, fixed MiB, MiB per token, seconds per token-step on an A100)
+FAMILIES = {
+    "resnet": ("python train.py --arch resnet50 --batch-size {b} --image-size 224 --max-steps {s} --fp16",
+               1800, 0.055, 2.0e-6),
+    "bert": ("torchrun --nproc_per_node=1 finetune.py --model bert-base-uncased --batch-size {b} --seq-len 512 "
+             "--max-steps {s} --bf16", 2600, 0.09, 1.5e-6),
+    "llama": ("accelerate launch sft.py --model meta-llama/Llama-2-7b-hf --lora --batch-size {b} --seq-len 2048 "
+              "--max-steps {s} --bf16 --gradient-checkpointing", 15000, 0.6, 4.0e-6),
+}
+
+
+def script_for(family: str, batch: int, steps: int, gtype: str) -> str:
+    return (f"#!/bin/bash\n#SBATCH --gres=gpu:{gtype}:1\n#SBATCH -t 12:00:00\n"
+            + FAMILIES[family][0].format(b=batch, s=steps) + "\n")
+
+
+def history(n: int, seed: int = 7, batches: tuple[int, ...] = (8, 16, 32, 64)) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    t0 = datetime(2026, 10, 1)
+    for i in range(n):
+        family = rng.choice(list(FAMILIES))
+        batch, steps = rng.choice(batches), rng.choice((500, 1000, 2000))
+        gtype = rng.choice(list(SPEED))
+        text = script_for(family, batch, steps, gtype)
+        sf = script_features(text)
+        tokens = math.exp(sf["log_tokens"])
+        _, fixed, per_token, sec = FAMILIES[family]
+        peak = (fixed + per_token * tokens) * rng.uniform(0.97, 1.03)
+        oom = peak > MEM[gtype]
+        elapsed = int(steps * tokens * sec / SPEED[gtype] * rng.uniform(0.95, 1.05)) + 30
+        rows.append({"job_id": str(1000 + i), "user": rng.choice(["ann", "bob", "cy"]),
+                     "submit": t0 + timedelta(hours=i), "state": "OUT_OF_MEMORY" if oom else "COMPLETED",
+                     "gpu_type": gtype, "gpus": 1, "elapsed": 40 if oom else elapsed, "peak": None if oom else peak,
+                     "script": sf, "request": {"gpus_total": 1, "gpu_type": gtype}})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(ROOT / "contrib" / "slurmgpu.toml")._replace(
+        policy=load_config(ROOT / "contrib" / "slurmgpu.toml").policy._replace(decider="model"))
+
+
+@pytest.fixture(scope="module")
+def trained(config):
+    rows = history(2000)
+    train_rows, test_rows = train.split_by_time(rows, test_days=8)
+    bundle, _ = train.fit(train_rows, config, quantile=0.995, iterations=300)
+    return bundle, train_rows, test_rows
+
+
+def test_tree_evaluator_matches_catboost() -> None:
+    import numpy as np
+    from catboost import CatBoostRegressor
+
+    rng = np.random.RandomState(0)
+    x = rng.rand(400, 5) * 10
+    y = x[:, 0] * 2 + np.sin(x[:, 1])
+    model = CatBoostRegressor(iterations=60, depth=5, verbose=0, allow_writing_files=False).fit(x, y)
+    ours = TreeEnsemble(TreeEnsemble.from_catboost(model))
+    assert max(abs(a - ours.predict(list(r))) for a, r in zip(model.predict(x[:100]), x[:100], strict=True)) < 1e-9
+
+
+def test_held_out_targets(trained, config) -> None:
+    bundle, train_rows, test_rows = trained
+    metrics = train.evaluate(bundle, train_rows, test_rows, config)
+    assert metrics["memory_jobs"] > 100
+    assert metrics["memory_under_prediction_rate"] < 0.01
+    assert metrics["runtime_mdape"] < 0.15
+
+
+def _predicted_peak(bundle: Bundle, config, text: str, gtype: str = "a100") -> float:
+    sf = script_features(text)
+    from slurmgpu.features import job_features
+
+    gt = config.gpu_types[gtype]
+    f = job_features(sf, {"gpus_total": 1}, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, 1,
+                     bundle.history, "ann")
+    return bundle.predict(f, sf["family"]).peak_mem_mib
+
+
+@pytest.mark.parametrize("batch", [128, 256])
+def test_larger_batches_than_ever_seen_stay_safe(trained, config, batch: int) -> None:
+    bundle = trained[0]
+    for family, (_, fixed, per_token, _) in FAMILIES.items():
+        text = script_for(family, batch, 1000, "a100")
+        true_peak = fixed + per_token * math.exp(script_features(text)["log_tokens"])
+        # Trees alone would stay at the largest batch seen; the family base carries the growth.
+        assert true_peak <= _predicted_peak(bundle, config, text) <= 1.5 * true_peak, family
+
+
+def test_family_absent_from_training_is_never_rewritten(config) -> None:
+    """Without history the memory figure is only an analytic estimate: it must not move the job."""
+    rows = [r for r in history(900) if "llama" not in (r["script"]["model"] or "")]
+    bundle, _ = train.fit(rows, config, iterations=200)
+    d = decide(bundle, config, script_for("llama", 16, 1000, "a100"), free={"a100": 0, "v100": 4, "t4": 4})
+    assert not d.changed and "0 earlier jobs of this family" in d.reasons[-1]
+
+
+def decide(bundle, config, text: str, free=None):
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
+    return ModelDecider(config, bundle, lambda: free or {"a100": 4, "v100": 4, "t4": 4}, "ann").decide(request)
+
+
+def test_decider_moves_small_job_off_the_biggest_card_when_it_is_busy(trained, config) -> None:
+    bundle = trained[0]
+    d = decide(bundle, config, script_for("resnet", 16, 1000, "a100"), free={"a100": 0, "v100": 4, "t4": 4})
+    assert d.changed and d.changes[0].gpu_type == "v100", d.reasons
+    chosen = [c for c in d.per_type if c.gpu_type == "v100" and c.gpus == 1][0]
+    assert chosen.fits and chosen.pred_peak_mem_mib * 1.1 <= 32 * 1024
+
+
+def test_decider_never_picks_a_card_the_job_does_not_fit(trained, config) -> None:
+    bundle = trained[0]
+    for batch in (8, 32, 64):
+        d = decide(bundle, config, script_for("llama", batch, 1000, "a100"), free={"a100": 0, "v100": 4})
+        for change in d.changes:
+            assert change.gpu_type != "t4"
+            if change.gpu_type == "v100":
+                v = [c for c in d.per_type if c.gpu_type == "v100" and c.gpus == 1][0]
+                assert v.fits
+
+
+def test_no_history_and_pinned_jobs_are_kept(trained, config) -> None:
+    bundle = trained[0]
+    unknown = "#!/bin/bash\n#SBATCH --gres=gpu:a100:1\npython brand_new.py --batch-size 8\n"
+    d = decide(bundle, config, unknown, free={"a100": 0})
+    assert not d.changed and "earlier jobs of this family" in d.reasons[-1]
+    pinned = script_for("resnet", 16, 1000, "a100").replace("--gres=gpu:a100:1", "--gres=gpu:1 --constraint=a100")
+    assert not decide(bundle, config, pinned, free={"a100": 0}).changes[0].gpus_total
+
+
+def test_missing_corrupt_or_stale_model_keeps_the_request(trained, config, tmp_path: Path, capsys) -> None:
+    bundle = trained[0]
+    good = tmp_path / "model.json"
+    bundle.save(str(good))
+    stale = json.loads(good.read_text())
+    stale["features"] = stale["features"][:-1]
+    cases = {"missing": tmp_path / "none.json", "corrupt": tmp_path / "bad.json", "stale": tmp_path / "stale.json"}
+    cases["corrupt"].write_text("{oops")
+    cases["stale"].write_text(json.dumps(stale))
+    for name, path in cases.items():
+        decider = site_decider(config, None, {"SLURMGPU_MODEL": str(path)})
+        assert isinstance(decider, KeepDecider), name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "unusable" in err and "request kept as written" in err, name
+    assert isinstance(site_decider(config, None, {"SLURMGPU_MODEL": str(good)}), ModelDecider)
