@@ -452,6 +452,67 @@ def predict_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...]
     }, indent=2))
 
 
+@main.command("nightly")
+@click.pass_context
+def nightly_cmd(ctx: click.Context) -> None:
+    """Ingest (sacct and spools), then retrain, keeping the old model if the new one is worse."""
+    from datetime import datetime
+
+    def log(msg: str) -> None:
+        click.echo(f"{datetime.now().isoformat(timespec='seconds')} slurmgpu nightly: {msg}")
+
+    log("ingest")
+    try:
+        ctx.invoke(ingest_cmd, spool=True, delimiter="|")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            log(f"ingest finished with rejected rows (exit {exc.code}); training on what landed")
+    log("train")
+    ctx.invoke(train_cmd, test_days=7, quantile=0.995, iterations=400, keep_better=True)
+    log("done")
+
+
+@main.group("render")
+def render_group() -> None:
+    """Render admin files (nightly units, cron) from the templates."""
+
+
+@render_group.command("nightly")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Directory to write into.")
+@click.option("--user", default="slurmgpu", show_default=True, help="Account the nightly job runs as.")
+@click.option("--config-path", default="/etc/slurmgpu/slurmgpu.toml", show_default=True)
+@click.option("--at", "at", default="03:17", show_default=True, help="Local time of day, HH:MM.")
+@click.option("--log", default="/var/log/slurmgpu/nightly.log", show_default=True)
+def render_nightly(out: str, user: str, config_path: str, at: str, log: str) -> None:
+    """Write slurmgpu-nightly.service, slurmgpu-nightly.timer and slurmgpu.cron."""
+    import re as _re
+    import shutil
+
+    import jinja2
+
+    from slurmgpu.rewrite import templates_dir
+
+    m = _re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", at)
+    if not m:
+        fail(InputError(f"invalid time of day {at!r} (expected HH:MM)", option="--at"))
+    for name, value in (("--user", user), ("--config-path", config_path), ("--log", log)):
+        if not _re.fullmatch(r"[A-Za-z0-9_./@-]+", value):
+            fail(InputError(f"unsafe characters in {value!r}", option=name))
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    values = {"user": user, "config": config_path, "bin": os.path.abspath(shutil.which("slurmgpu") or sys.argv[0]),
+              "on_calendar": f"*-*-* {int(m.group(1)):02d}:{m.group(2)}:00", "hour": int(m.group(1)),
+              "minute": int(m.group(2)), "log": log}
+    os.makedirs(out, exist_ok=True)
+    for template, target in (("slurmgpu-nightly.service.j2", "slurmgpu-nightly.service"),
+                             ("slurmgpu-nightly.timer.j2", "slurmgpu-nightly.timer"),
+                             ("slurmgpu.cron.j2", "slurmgpu.cron")):
+        path = os.path.join(out, target)
+        with open(path, "w") as fh:
+            fh.write(env.get_template(f"nightly/{template}").render(**values))
+        click.echo(f"wrote {path}")
+
+
 @main.command("demo")
 def demo_cmd() -> None:
     """Show gsbatch's decisions on the example scripts (nothing is submitted)."""
