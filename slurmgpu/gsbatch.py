@@ -23,6 +23,7 @@ from slurmgpu.script import parse_script, read_script
 from slurmgpu.slurm import CliBackend, SlurmBackend, Submitted
 
 OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
+DECIDED_MARKER = "SLURMGPU_DECIDED"
 PASS_THROUGH = {"help", "usage", "version"}
 HELP = """
 gsbatch options (everything else is sbatch's):
@@ -98,6 +99,10 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
                                             ("partition", c.partition)) if v is not None]
         lines.append(f"change (component {c.index}): {', '.join(parts)}")
     lines.extend(f"reason: {r}" for r in decision.reasons)
+    if decision.per_type:
+        lines.append(f"{'type':>6} {'gpus':>4} {'fits':>4} {'peak GiB':>8} {'runtime':>9} {'wait':>7}")
+        lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {'yes' if c.fits else 'no':>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
+                     f"{c.pred_runtime_s / 60:>7.0f} m {c.expected_wait_s / 60:>5.0f} m" for c in decision.per_type)
     if not decision.changed and not decision.refusal:
         lines.append("result: request kept as written")
     return "\n".join("gsbatch: explain: " + line for line in lines)
@@ -137,7 +142,8 @@ def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, st
     """Hand the plan to sbatch; a rewritten script goes through a private temporary file
     with the same name, so the job's default name and output file names do not change."""
     sub = p.submission
-    child_env = {**env, **sub.env_overrides}
+    # Tells the site's job_submit.lua hook that this job was already decided.
+    child_env = {**env, **sub.env_overrides, DECIDED_MARKER: "1"}
     if not sub.changed:
         return backend.submit(inv.sbatch_words(), child_env, p.stdin)
     data = sub.script_text.encode("utf-8", "surrogateescape") if sub.script_text is not None else None

@@ -76,6 +76,7 @@ def test_rule_moves_type_to_partition_that_has_it(job: Path, sample_config: Path
     assert submitted.name == "train.sh" and submitted != job  # same name, private copy
     assert b"#SBATCH --partition=gpu\n" in call["content"] and b"{{ x }}" in call["content"]
     assert call["mode"] == "0o600"
+    assert call["env"]["SLURMGPU_DECIDED"] == "1"  # the lua hook leaves it alone
     assert not submitted.exists()  # cleaned up after sbatch read it
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "gsbatch: note: GPU request changed" in err
