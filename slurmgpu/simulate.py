@@ -31,7 +31,10 @@ BF_MAX_JOB_TEST = 500
 
 
 class SimJob(NamedTuple):
-    """One job as the policy decided it: this GPU type and count, and what it will then do."""
+    """One job as the policy decided it: this GPU type and count, and what it will then do.
+
+    ``user`` and ``partition`` are for the caller's breakdowns: jobs are placed by GPU type alone.
+    """
 
     job_id: str
     submit_s: float  # seconds from t0
@@ -215,8 +218,8 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
     ends: list[tuple[float, int]] = []  # (actual end, queue rank): ties end in queue order
     running: dict[int, tuple[float, int, Alloc]] = {}  # rank -> (end by time limit, rank, allocation)
     queue: list[int] = []  # pending ranks in queue order
-    # The head's reservation: at ``shadow`` it takes ``held``; ``long_free`` is what a job
-    # running past ``shadow`` may use now (on the head's nodes only what the head leaves over).
+    # The head's reservation: it starts at ``shadow``; ``extra`` is what it leaves over on each
+    # node it will take, and ``long_free`` what a job running past ``shadow`` may use now.
     shadow = 0.0
     extra: dict[int, int] = {}
     long_free: list[int] = []
@@ -308,9 +311,9 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
             if queue:
                 reserve(queue[0])
                 backfill(t, 1)
-        elif first_new < len(queue):
-            # Only arrivals: jobs already tested still cannot start (free GPUs only shrank and
-            # time only moved on), so only the new ones are tried against the same reservation.
+        else:
+            # Only arrivals: the reservation stands until a job ends, and jobs already tested still
+            # cannot start (free GPUs only shrank, time only moved on), so only new ones are tried.
             backfill(t, first_new)
     return out
 
