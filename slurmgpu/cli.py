@@ -521,5 +521,10 @@ def demo_cmd() -> None:
     sys.exit(demo.run())
 
 
+from slurmgpu.cli_report import doctor_cmd, report_cmd  # noqa: E402 - they use the helpers above
+
+main.add_command(report_cmd)
+main.add_command(doctor_cmd)
+
 if __name__ == "__main__":
     main()

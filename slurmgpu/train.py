@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import String, cast, func, select
+from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from slurmgpu.config import Config
@@ -25,25 +25,27 @@ USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 def history_rows(engine: Engine) -> list[dict[str, Any]]:
     """Jobs that ran on GPUs, with script features (from gsbatch's record or an imported
     script) and their measured per-GPU peak memory, oldest first."""
-    usage = (select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib).label("peak"))
-             .group_by(GpuUsage.cluster, GpuUsage.job_id).subquery())
-    stmt = (select(Job.cluster, Job.job_id, Job.user, Job.submit_time, Job.state, Job.gpu_type, Job.gpu_count,
-                   Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, usage.c.peak, Submission.features,
+    from slurmgpu.history import peak_of
+
+    stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.user, Job.submit_time, Job.state, Job.gpu_type,
+                   Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Submission.features,
                    Submission.original_request)
-            .outerjoin(usage, (usage.c.cluster == Job.cluster)
-                       & ((usage.c.job_id == Job.job_id) | (usage.c.job_id == cast(Job.job_id_raw, String))))
             .outerjoin(Submission, (Submission.cluster == Job.cluster) & (Submission.job_id == Job.job_id))
             .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
             .order_by(Job.submit_time, Job.job_id))
     out = []
     with engine.connect() as conn:
+        peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
+            select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
+            .group_by(GpuUsage.cluster, GpuUsage.job_id))}
         for r in conn.execute(stmt).mappings():
             feats = (r["features"] or {}).get("script")
             if feats is None and r["comment"] and r["comment"].startswith("script:"):
                 feats = script_features(r["comment"][len("script:"):])
             if feats is None:
                 continue
-            peak = r["peak"] if r["peak"] is not None else r["sacct_gpu_mem_mib"]
+            measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
+            peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
             out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
                         "gpu_type": r["gpu_type"], "gpus": r["gpu_count"], "elapsed": r["elapsed_s"],
                         "peak": peak, "script": feats, "request": r["original_request"] or {}})

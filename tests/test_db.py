@@ -102,3 +102,19 @@ def test_spool_record_is_written_atomically_and_private(tmp_path: Path) -> None:
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]
     assert json.loads(Path(path).read_text())["a"] == 1
+
+
+def test_collector_record_matches_array_task_by_raw_id(db_url: str) -> None:
+    from slurmgpu.history import job_rows
+
+    engine = db.make_engine(db_url)
+    ingest.load_jobs(engine, [job("5_1", job_id_raw=6, array_job_id=5, array_task_id=1), job("7", job_id_raw=7)])
+    with engine.begin() as conn:
+        conn.execute(db.GpuUsage.__table__.insert(), [
+            {"cluster": "c1", "job_id": "6", "hostname": "n1", "source": "nvml", "gpus": 2, "peak_mem_mib": 5000.0,
+             "samples": 3, "detail": [], "max_util": 90.0},
+            {"cluster": "c1", "job_id": "7", "hostname": "n1", "source": "nvml", "gpus": 2, "peak_mem_mib": 700.0,
+             "samples": 3, "detail": [], "max_util": 10.0}])
+    rows = {r["job_id"]: r for r in job_rows(engine)}
+    assert (rows["5_1"]["peak_gpu_mem_mib"], rows["5_1"]["max_gpu_util"]) == (5000.0, 90.0)
+    assert rows["7"]["peak_gpu_mem_mib"] == 700.0 and rows["7"]["gpu_usage_source"] == "nvml"

@@ -1,0 +1,412 @@
+"""``slurmgpu report``: numbers on a hand-built history checked against values worked out by hand,
+the CSV/JSON formats, the non-root restriction (a real unprivileged process), and the HTML page
+rendered by a real headless Chromium."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import pwd
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from slurmgpu import db, report
+from slurmgpu.cli import main
+from slurmgpu.cli_report import report_cmd
+from slurmgpu.db import GpuUsage, Job, Submission
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_CONFIG = ROOT / "contrib" / "slurmgpu.toml"
+SINCE, UNTIL = datetime(2026, 1, 1), datetime(2026, 1, 31)
+main.add_command(report_cmd)  # as cli.py registers it; harmless when it already has
+
+
+def local(utc: datetime) -> str:
+    """The CLI takes local times and the store holds UTC: the local spelling of a UTC instant."""
+    return utc.replace(tzinfo=UTC).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+WINDOW = ("--since", local(SINCE), "--until", local(UNTIL))
+
+
+def add_job(rows: list[dict[str, Any]], job_id: str, user: str, account: str, gpu_type: str | None, gpus: int,
+            elapsed_s: int, end: datetime, state: str = "COMPLETED", cluster: str = "slurmgpu", **extra: Any) -> None:
+    rows.append({"cluster": cluster, "job_id": job_id, "user": user, "account": account, "gpu_type": gpu_type,
+                 "gpu_count": gpus, "elapsed_s": elapsed_s, "state": state, "end_time": end,
+                 "submit_time": end - timedelta(seconds=elapsed_s + 600),
+                 "start_time": end - timedelta(seconds=elapsed_s), "job_id_raw": int(re.sub(r"\D.*", "", job_id)),
+                 **extra})
+
+
+def usage(job_id: str, peak: float, util: float, per_gpu_util: list[float], host: str = "n1",
+          cluster: str = "slurmgpu") -> dict[str, Any]:
+    return {"cluster": cluster, "job_id": job_id, "hostname": host, "source": "nvml", "gpus": len(per_gpu_util),
+            "peak_mem_mib": peak, "max_util": util, "mean_util": util / 2, "samples": 10,
+            "detail": [{"index": i, "peak_mem_mib": peak, "max_util": u} for i, u in enumerate(per_gpu_util)]}
+
+
+def submission(job_id: str, user: str, original: dict[str, Any], changes: list[dict[str, Any]],
+               per_type: list[dict[str, Any]] | None = None, cluster: str = "slurmgpu") -> dict[str, Any]:
+    return {"record_id": f"rec-{job_id}", "cluster": cluster, "job_id": job_id, "user": user,
+            "submitted_at": datetime(2026, 1, 2), "features": {}, "original_request": original,
+            "decision": {"decider": "model", "changed": bool(changes), "refused": None, "reasons": [],
+                         "changes": changes, "per_type": per_type or []},
+            "changed": bool(changes)}
+
+
+def candidate(gpu_type: str, gpus: int, wait: float, runtime: float) -> dict[str, Any]:
+    return {"gpu_type": gpu_type, "gpus": gpus, "fits": True, "pred_peak_mem_mib": 1000.0,
+            "pred_runtime_s": runtime, "expected_wait_s": wait}
+
+
+def insert(url: str, jobs: list[dict[str, Any]], usages: list[dict[str, Any]], subs: list[dict[str, Any]]) -> None:
+    engine = db.make_engine(url)
+    keys = {k for j in jobs for k in j}  # an executemany insert takes its columns from the first row
+    with engine.begin() as conn:
+        conn.execute(Job.__table__.insert(), [dict.fromkeys(keys) | j for j in jobs])
+        if usages:
+            conn.execute(GpuUsage.__table__.insert(), usages)
+        if subs:
+            conn.execute(Submission.__table__.insert(), subs)
+    engine.dispose()
+
+
+def small_history(url: str) -> None:
+    """The history the expected numbers below were worked out from (config: a100 80 GiB, v100 32, t4 16)."""
+    jobs: list[dict[str, Any]] = []
+    add_job(jobs, "101", "alice", "ml", "a100", 2, 3600, datetime(2026, 1, 10, 12))  # 2 GPU-h, 1 of 2 GPUs busy
+    add_job(jobs, "102", "alice", "ml", "a100", 1, 7200, datetime(2026, 1, 11, 12))  # 2 GPU-h, idle
+    add_job(jobs, "103", "bob", "phys", "v100", 4, 1800, datetime(2026, 1, 12, 12), state="OUT_OF_MEMORY",
+            sacct_gpu_mem_mib=40000.0, sacct_gpu_util=80.0)  # 2 GPU-h, sacct only, peak above the card
+    add_job(jobs, "104", "bob", "phys", "t4", 1, 3600, datetime(2026, 1, 20, 12))  # 1 GPU-h, unmeasured
+    add_job(jobs, "500_3", "carol", "ml", "v100", 2, 3600, datetime(2026, 1, 15, 12), job_id_raw=503,
+            array_job_id=500, array_task_id=3)  # array task: collector knows its raw id, gsbatch the array's
+    add_job(jobs, "105", "alice", "ml", "a100", 8, 3600, UNTIL)  # ends at --until: outside the window
+    add_job(jobs, "106", "alice", "ml", "a100", 8, 3600, SINCE - timedelta(seconds=1))  # before the window
+    add_job(jobs, "107", "alice", "ml", None, 0, 3600, datetime(2026, 1, 10))  # no GPUs
+    add_job(jobs, "108", "dave", "ml", "a100", 1, 3600, datetime(2026, 1, 10), cluster="other")  # other cluster
+    usages = [usage("101", 40960.0, 90.0, [90.0, 2.0]), usage("102", 100.0, 0.0, [0.0]),
+              usage("503", 16384.0, 50.0, [50.0, 40.0]), usage("105", 1.0, 0.0, [0.0] * 8)]
+    subs = [
+        submission("103", "bob", {"gpu_type": "v100", "gpus_total": 8, "partition": "gpu"},
+                   [{"index": 0, "gpu_type": None, "gpus_total": 4, "partition": None}],
+                   [candidate("v100", 8, 1800.0, 100.0), candidate("v100", 4, 0.0, 150.0),
+                    candidate("a100", 8, 1800.0, 60.0)]),
+        submission("104", "bob", {"gpu_type": "a100", "gpus_total": 1, "partition": "gpu"},
+                   [{"index": 0, "gpu_type": "t4", "gpus_total": None, "partition": "gpu-small"}]),
+        submission("500", "carol", {"gpu_type": "v100", "gpus_total": 4, "partition": "gpu"},
+                   [{"index": 0, "gpu_type": None, "gpus_total": 2, "partition": None}]),
+        submission("101", "alice", {"gpu_type": "a100", "gpus_total": 2, "partition": "gpu"}, []),
+    ]
+    insert(url, jobs, usages, subs)
+
+
+def run_report(url: str, *args: str) -> Any:
+    return CliRunner().invoke(main, ["--config", str(SAMPLE_CONFIG), "--db", url, "report", *WINDOW, *args])
+
+
+def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
+    small_history(db_url)
+    res = run_report(db_url, "--format", "json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["window"] == {"since": "2026-01-01T00:00:00Z", "until": "2026-01-31T00:00:00Z"}
+    types = {t["gpu_type"]: t for t in data["gpu_types"]}
+    assert list(types) == ["a100", "v100", "t4"]  # by GPU-hours, ties in first-seen order
+    a100_share = (2 * 0.5 + 2 * 100 / 81920) / 4
+    assert types["a100"] == pytest.approx({"gpu_type": "a100", "jobs": 2, "gpu_hours": 4.0, "measured_gpu_hours": 4.0,
+                                           "mem_used_share": a100_share, "idle_gpu_hours": 2.0}, abs=1e-4)
+    # job 103's sacct peak (40000 MiB) is capped at the 32 GiB card: share 1.0 for 2 GPU-h, 0.5 for 2 GPU-h.
+    assert types["v100"] == pytest.approx({"gpu_type": "v100", "jobs": 2, "gpu_hours": 4.0, "measured_gpu_hours": 4.0,
+                                           "mem_used_share": 0.75, "idle_gpu_hours": 0.0}, abs=1e-4)
+    assert types["t4"] == {"gpu_type": "t4", "jobs": 1, "gpu_hours": 1.0, "measured_gpu_hours": 0.0,
+                           "mem_used_share": None, "idle_gpu_hours": 0.0}
+    users = {(u["user"], u["account"]): u for u in data["users"]}
+    assert list(users) == [("alice", "ml"), ("bob", "phys"), ("carol", "ml")]
+    assert users["alice", "ml"] == pytest.approx({
+        "user": "alice", "account": "ml", "jobs": 2, "gpu_hours": 4.0, "idle_gpu_hours": 2.0,
+        "mem_asked_gib": 80.0, "mem_used_gib": (2 * 40 + 2 * 100 / 1024) / 4, "mem_used_share": a100_share,
+        "gpus_asked": 3, "gpus_busy": 1, "ooms": 0, "changed": 0, "gpu_hours_saved": 0.0,
+        "queue_hours_saved": None}, abs=1e-4)
+    # (8 - 4 GPUs) x 0.5 h = 2 GPU-h; queue: 1800 s expected as asked (v100 x 8), 0 s as decided = 0.5 h.
+    assert users["bob", "phys"] == pytest.approx({
+        "user": "bob", "account": "phys", "jobs": 2, "gpu_hours": 3.0, "idle_gpu_hours": 0.0,
+        "mem_asked_gib": 32.0, "mem_used_gib": 32.0, "mem_used_share": 1.0, "gpus_asked": 0, "gpus_busy": 0,
+        "ooms": 1, "changed": 2, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5}, abs=1e-4)
+    assert users["carol", "ml"] == pytest.approx({
+        "user": "carol", "account": "ml", "jobs": 1, "gpu_hours": 2.0, "idle_gpu_hours": 0.0,
+        "mem_asked_gib": 32.0, "mem_used_gib": 16.0, "mem_used_share": 0.5, "gpus_asked": 2, "gpus_busy": 2,
+        "ooms": 0, "changed": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None}, abs=1e-4)
+    assert data["changes"] == [
+        {"change": "4 -> 2 GPUs", "jobs": 1, "users": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None},
+        {"change": "8 -> 4 GPUs", "jobs": 1, "users": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5},
+        {"change": "a100 -> t4; partition gpu -> gpu-small", "jobs": 1, "users": 1, "gpu_hours_saved": 0.0,
+         "queue_hours_saved": None},
+    ]
+    assert data["totals"] == pytest.approx({
+        "jobs": 5, "gpu_hours": 9.0, "idle_gpu_hours": 2.0, "mem_used_share": (4 * a100_share + 4 * 0.75) / 8,
+        "ooms": 1, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5}, abs=1e-4)
+    assert {(d["date"], d["gpu_type"]): d["gpu_hours"] for d in data["daily"]} == {
+        ("2026-01-10", "a100"): 2.0, ("2026-01-11", "a100"): 2.0, ("2026-01-12", "v100"): 2.0,
+        ("2026-01-15", "v100"): 2.0, ("2026-01-20", "t4"): 1.0}
+    assert "gpu_hours_saved" in data["definitions"]
+
+
+def test_filters_by_user_account_and_window(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    small_history(url)
+    only_bob = json.loads(run_report(url, "--format", "json", "--user", "bob").output)
+    assert only_bob["user"] == "bob" and [u["user"] for u in only_bob["users"]] == ["bob"]
+    ml = json.loads(run_report(url, "--format", "json", "--account", "ml").output)
+    assert {u["user"] for u in ml["users"]} == {"alice", "carol"}
+    other = json.loads(run_report(url, "--format", "json", "--cluster", "other").output)
+    assert [u["user"] for u in other["users"]] == ["dave"]
+    res = CliRunner().invoke(main, ["--config", str(SAMPLE_CONFIG), "--db", url, "report", "--since", "2026-01-12",
+                                    "--until", "2026-01-10"])
+    assert res.exit_code == 1 and "--since must be before --until" in res.output
+
+
+def test_csv_and_table_formats(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    small_history(url)
+    res = run_report(url, "--format", "csv")
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(io.StringIO(res.output)))
+    assert [r["section"] for r in rows] == ["gpu_type"] * 3 + ["user"] * 3 + ["change"] * 3
+    t4 = next(r for r in rows if r["section"] == "gpu_type" and r["gpu_type"] == "t4")
+    assert (t4["gpu_hours"], t4["mem_used_share"], t4["user"]) == ("1.0", "", "")
+    bob = next(r for r in rows if r["user"] == "bob")
+    assert (bob["ooms"], bob["changed"], bob["gpu_hours_saved"], bob["queue_hours_saved"]) == ("1", "2", "2.0", "0.5")
+    table = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["--config", str(SAMPLE_CONFIG), "--db", url, "report",
+                                                           *WINDOW])
+    assert table.exit_code == 0, table.output
+    assert "9.0 GPU-h (2.0 idle)" in table.output and "a100 -> t4; partition gpu -> gpu-small" in table.output
+
+
+def test_empty_window_prints_empty_report(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    data = json.loads(run_report(url, "--format", "json").output)
+    assert data["totals"]["jobs"] == 0 and data["totals"]["mem_used_share"] is None and data["users"] == []
+
+
+def use(**fields: Any) -> report.JobUse:
+    base = {"job_id": "1", "user": "u", "account": "a", "gpu_type": "a100", "gpu_count": 4, "elapsed_s": 7200,
+            "state": "COMPLETED", "end_time": datetime(2026, 1, 2), "peak_mib": None, "max_util": None,
+            "gpus_busy": None, "original": None, "decision": None, "changed": False}
+    return report.JobUse(**(base | fields))
+
+
+def test_change_descriptions_and_estimates() -> None:
+    het = {"gpu_type": None, "gpus_total": 3, "components": [{"gpu_type": None, "gpus_total": 2, "partition": None},
+                                                             {"gpu_type": "t4", "gpus_total": 1, "partition": "gpu"}]}
+    decision = {"changes": [{"index": 1, "gpu_type": None, "gpus_total": None, "partition": "gpu-small"}]}
+    assert report.describe_change(het, decision) == "component 1: partition gpu -> gpu-small"
+    # An untyped request: the baseline is the requested count of any type with the soonest finish.
+    untyped = use(changed=True, original={"gpu_type": None, "gpus_total": 4},
+                  decision={"changes": [{"index": 0, "gpu_type": "v100", "gpus_total": 2}],
+                            "per_type": [candidate("a100", 4, 600.0, 1000.0), candidate("v100", 4, 0.0, 3000.0),
+                                         candidate("v100", 2, 100.0, 3500.0)]})
+    assert report.describe_change(untyped.original, untyped.decision) == "any -> v100; 4 -> 2 GPUs"
+    assert report.queue_seconds_saved(untyped) == 500.0
+    assert report.gpu_hours_saved(untyped) == 4.0  # (4 - 2) GPUs x 2 h
+    assert report.queue_seconds_saved(untyped._replace(changed=False)) is None
+    assert report.gpu_hours_saved(untyped._replace(changed=False)) == 0.0
+
+
+def test_html_escapes_names_and_renders_an_empty_window() -> None:
+    evil = "<script>alert(1)</script>"
+    rep = report.build([use(user=evil, account='"><img src=x>', gpu_type="<b>")], None,
+                       datetime(2026, 1, 1), datetime(2026, 1, 31))
+    page = report.to_html(rep, datetime(2026, 2, 1))
+    assert "<script" not in page and "<img" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    empty = report.to_html(report.build([], None, datetime(2026, 1, 1), datetime(2026, 1, 2)), datetime(2026, 1, 2))
+    assert empty.count("None in this window.") == 3
+
+
+# --- a user who is not root sees only their own jobs --------------------------------------------
+
+UNPRIVILEGED = "sguser"
+
+
+def _as_unprivileged(*args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the CLI run in a forked child that dropped to the unprivileged
+    user for good: a real non-root uid, so the command's own checks decide what it may see.
+    (runuser would need an interpreter that user can execute, which a pyenv under /root is not.)"""
+    pw = pwd.getpwnam(UNPRIVILEGED)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            os.environ["HOME"] = pw.pw_dir
+            res = CliRunner().invoke(main, list(args))
+            answer = [res.exit_code, res.stdout, res.stderr]
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the test
+            answer = [99, "", f"child failed: {exc!r}"]
+        with os.fdopen(write_end, "w") as out:
+            json.dump(answer, out)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as got:
+        answer = json.load(got)
+    os.waitpid(pid, 0)
+    return answer[0], answer[1], answer[2]
+
+
+@pytest.fixture
+def shared_db() -> Iterator[str]:
+    """A history the unprivileged user can open (SQLite's WAL needs write access to the files)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to another user")
+    try:
+        pwd.getpwnam(UNPRIVILEGED)
+    except KeyError:
+        pytest.skip(f"user {UNPRIVILEGED} does not exist")
+    directory = tempfile.mkdtemp(prefix="slurmgpu-report-")
+    os.chmod(directory, 0o777)
+    url = f"sqlite:///{directory}/h.db"
+    db.upgrade(url)
+    small_history(url)
+    jobs: list[dict[str, Any]] = []
+    add_job(jobs, "900", UNPRIVILEGED, "slurmgpu", "t4", 2, 3600, datetime(2026, 1, 5))
+    insert(url, jobs, [], [])
+    # Root sees everyone (this run also imports all the child needs: the stdlib may be unreadable to it).
+    as_root = json.loads(run_report(url, "--format", "json").output)
+    assert {u["user"] for u in as_root["users"]} == {"alice", "bob", "carol", UNPRIVILEGED}
+    run_report(url, "--format", "csv")
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666)
+    yield url
+    shutil.rmtree(directory)
+
+
+def test_unprivileged_user_sees_only_own_rows(shared_db: str) -> None:
+    base = ("--config", str(SAMPLE_CONFIG), "--db", shared_db, "report", *WINDOW)
+    code, out, err = _as_unprivileged(*base, "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["user"] == UNPRIVILEGED
+    assert [(u["user"], u["gpu_hours"]) for u in data["users"]] == [(UNPRIVILEGED, 2.0)]
+    assert data["totals"]["jobs"] == 1 and data["changes"] == []
+    code, out, err = _as_unprivileged(*base, "--format", "csv", "--account", "ml")  # others' account: nothing
+    assert code == 0 and out.count("\n") == 1, (out, err)
+    code, out, err = _as_unprivileged(*base, "--user", "alice", "--format", "json")
+    assert (code, out) == (1, "")
+    assert err.splitlines() == ["slurmgpu: error: --user: you may only report on your own jobs, not alice's"]
+
+
+# --- the HTML page in a real browser -------------------------------------------------------------
+
+
+def realistic_history(url: str, seed: int = 7) -> None:
+    """A month of a small GPU cluster: 14 users in 5 accounts, some wasteful, some changed by gsbatch."""
+    rng = random.Random(seed)
+    people = [("anna", "nlp"), ("ben", "nlp"), ("chen", "vision"), ("dara", "vision"), ("eli", "physics"),
+              ("fatima", "chem"), ("gus", "chem"), ("hana", "nlp"), ("ivan", "vision"), ("jo", "physics"),
+              ("kai", "bio"), ("lena", "bio"), ("mo", "nlp"), ("nia", "chem")]
+    cards = {"a100": 81920.0, "v100": 32768.0, "t4": 16384.0}
+    jobs: list[dict[str, Any]] = []
+    usages: list[dict[str, Any]] = []
+    subs: list[dict[str, Any]] = []
+    for n in range(900):
+        user, account = rng.choice(people[: 4 + n % 11])
+        gtype = rng.choices(["a100", "v100", "t4"], [5, 3, 2])[0]
+        gpus = rng.choice([1, 1, 1, 2, 4, 8] if gtype == "a100" else [1, 1, 2, 4])
+        elapsed = int(rng.lognormvariate(8.3, 1.0))
+        end = datetime(2026, 11, 1) + timedelta(seconds=rng.uniform(0, 30 * 86400))
+        state = rng.choices(["COMPLETED", "FAILED", "OUT_OF_MEMORY", "TIMEOUT", "CANCELLED"], [80, 6, 5, 4, 5])[0]
+        job_id = str(20000 + n)
+        add_job(jobs, job_id, user, account, gtype, gpus, elapsed, end, state=state)
+        if rng.random() < 0.85:
+            lazy = user in ("gus", "kai") or rng.random() < 0.08
+            share = rng.uniform(0.05, 0.3) if lazy else rng.uniform(0.25, 0.98)
+            util = rng.uniform(0, 4) if lazy and rng.random() < 0.5 else rng.uniform(30, 100)
+            per_gpu = [util if i == 0 or not lazy else rng.uniform(0, 3) for i in range(gpus)]
+            usages.append(usage(job_id, share * cards[gtype], util, per_gpu))
+        if rng.random() < 0.5:
+            asked = gpus * 2 if rng.random() < 0.3 else gpus
+            change = ({"index": 0, "gpu_type": None, "gpus_total": gpus, "partition": None} if asked != gpus
+                      else {"index": 0, "gpu_type": gtype, "gpus_total": None, "partition": None})
+            was = "a100" if asked != gpus or gtype != "a100" else "v100"
+            original = {"gpu_type": gtype if asked != gpus else was, "gpus_total": asked, "partition": "gpu"}
+            changed = asked != gpus or rng.random() < 0.25
+            per_type = [candidate(original["gpu_type"], asked, 1800.0, elapsed), candidate(gtype, gpus, 0.0, elapsed)]
+            subs.append(submission(job_id, user, original, [change] if changed else [], per_type))
+    insert(url, jobs, usages, subs)
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path:
+        return path
+    if os.environ.get("CI") == "true":
+        pytest.fail("chromium not installed (CI=true: `apt-get install -y chromium`)")
+    pytest.skip("chromium not installed: `apt-get install -y chromium` to check the HTML report in a browser")
+
+
+def _browser(chromium: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                           "--disable-sync", f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    chromium = _chromium()
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    realistic_history(url)
+    page = tmp_path / "report.html"
+    res = CliRunner().invoke(main, ["--config", str(SAMPLE_CONFIG), "--db", url, "report",
+                                    "--since", local(datetime(2026, 11, 1)), "--until", local(datetime(2026, 12, 1)),
+                                    "--html", str(page)])
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == f"wrote {page}: 900 GPU jobs"
+    source = page.read_text()
+    # Self-contained: no scripts, no links, no src/href but in-page ones.
+    assert not re.search(r"<script|<link|<img|<iframe|\b(?:src|href)\s*=|url\(|@import", source, re.I)
+    assert oct(page.stat().st_mode & 0o777) == "0o644"
+
+    dom = _browser(chromium, tmp_path / "profile", "--dump-dom", page.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert html.count("<table>") == 3 and html.count("<svg") == 3
+    assert len(re.findall(r"<rect ", html)) > 60
+    for heading in ("GPU types", "Users and accounts", "Changes by slurmgpu", "How the numbers are made"):
+        assert f"<h2>{heading}</h2>" in html
+    for cell in ('<td class="t">a100</td>', '<td class="t">gus</td>', '<td class="t">chem</td>',
+                 '<td class="t">v100 -&gt; a100</td>', "<td>2,491.6</td>"):
+        assert cell in html
+
+    shot = tmp_path / "report.png"
+    res = _browser(chromium, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,1600",
+                   "--hide-scrollbars", page.as_uri())
+    assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert img.size == (1200, 1600)
+        colors = img.convert("RGB").getcolors(maxcolors=1 << 16) or []
+    # The charts drew: the bar colours cover a real area of the screenshot.
+    painted = {c: n for n, c in colors}
+    assert painted.get((0x3B, 0x6F, 0xB6), 0) > 5000 and painted.get((0xC8, 0xCD, 0xD4), 0) > 2000
+    if os.environ.get("SLURMGPU_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, ROOT / "docs" / "report.png")
