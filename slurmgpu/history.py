@@ -80,5 +80,6 @@ def _row(job: Any, peak: float | None, util: float | None) -> dict[str, Any]:
         "time_limit_s": job.time_limit_s,
         "peak_gpu_mem_mib": peak if peak is not None else job.sacct_gpu_mem_mib,
         "max_gpu_util": util if util is not None else job.sacct_gpu_util,
-        "gpu_usage_source": "nvml" if peak is not None else ("sacct" if job.sacct_gpu_mem_mib is not None else None),
+        "gpu_usage_source": "collector" if peak is not None
+        else ("sacct" if job.sacct_gpu_mem_mib is not None else None),
     }

@@ -117,4 +117,4 @@ def test_collector_record_matches_array_task_by_raw_id(db_url: str) -> None:
              "samples": 3, "detail": [], "max_util": 10.0}])
     rows = {r["job_id"]: r for r in job_rows(engine)}
     assert (rows["5_1"]["peak_gpu_mem_mib"], rows["5_1"]["max_gpu_util"]) == (5000.0, 90.0)
-    assert rows["7"]["peak_gpu_mem_mib"] == 700.0 and rows["7"]["gpu_usage_source"] == "nvml"
+    assert rows["7"]["peak_gpu_mem_mib"] == 700.0 and rows["7"]["gpu_usage_source"] == "collector"
