@@ -42,7 +42,6 @@ class Policy(NamedTuple):
     objective: str = "balanced"
     min_gain: float = 0.10
     memory_margin: float = 0.10
-    min_confidence: float = 0.70
     min_history: int = 3  # jobs of a family before its predictions are trusted
     scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
 
@@ -189,7 +188,6 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         objective=pol.get("objective", str, "balanced"),
         min_gain=pol.number("min_gain", 0.10, above=False),
         memory_margin=pol.number("memory_margin", 0.10, above=False),
-        min_confidence=pol.number("min_confidence", 0.70, above=False),
         min_history=int(pol.number("min_history", 3, above=False)),
         scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),
     )

@@ -20,6 +20,7 @@ LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "pyt
 # still gets a size estimate from its name.
 MODEL_SIZES_B = {
     "resnet18": 0.0117, "resnet50": 0.0256, "resnet101": 0.0445, "vit-base": 0.086, "vit-large": 0.307,
+    "vit_b": 0.086, "vit_l": 0.307, "vit_h": 0.632,
     "bert-base": 0.110, "bert-large": 0.340, "roberta-base": 0.125, "roberta-large": 0.355, "gpt2": 0.124,
     "t5-base": 0.220, "t5-large": 0.770, "llama-2-7b": 6.7, "llama-2-13b": 13.0, "llama-7b": 6.7,
     "llama-13b": 13.0, "mistral-7b": 7.2, "llama-3-8b": 8.0, "stable-diffusion": 0.86, "sd-unet": 0.86,
@@ -33,11 +34,14 @@ _OPTION_VALUE = {
     "seq_len": ("--seq-len", "--seq_len", "--max_seq_length", "--max-seq-length", "--max_length",
                 "--max-length", "--block_size", "--block-size", "--context-length"),
     "model": ("--model", "--model_name_or_path", "--model-name", "--model_name", "--arch", "--pretrained"),
-    "steps": ("--max-steps", "--max_steps", "--steps", "--num-steps", "--iterations", "--iters"),
+    "steps": ("--max-steps", "--max_steps", "--steps", "--num-steps", "--iterations", "--iters", "--num-batches",
+              "--num_batches", "--max_iters", "--train-steps", "--total-steps"),
+    "new_tokens": ("--max-new-tokens", "--max_new_tokens"),
     "epochs": ("--epochs", "--num_train_epochs", "--num-epochs"),
     "nproc": ("--nproc_per_node", "--nproc-per-node", "--num_processes", "--num-processes", "--num_gpus",
               "--num-gpus"),
     "zero": ("--zero", "--zero-stage", "--zero_stage"),
+    "deepspeed": ("--deepspeed", "--deepspeed_config", "--deepspeed-config"),
     "image_size": ("--image-size", "--image_size", "--img-size", "--resolution"),
 }
 _FLAGS = {
@@ -128,7 +132,9 @@ def script_features(script: str) -> dict[str, Any]:
     precision = 16 if (flags["fp16"] or flags["bf16"]) else 32
     batch = _num(opts.get("batch_size"), 32.0)
     seq = _num(opts.get("seq_len"), 0.0) or _num(opts.get("image_size"), 0.0) or 1.0
-    steps = _num(opts.get("steps"), 0.0) or _num(opts.get("epochs"), 1.0) * 1000.0
+    # Generation jobs run one step per new token of every batch.
+    steps = (_num(opts.get("steps"), 0.0) or _num(opts.get("epochs"), 1.0) * 1000.0) * _num(opts.get("new_tokens"), 1.0)
+    zero_config = re.search(r"zero[_-]?(?:stage)?[_-]?(\d)", opts.get("deepspeed", ""), re.IGNORECASE)
     return {
         "family": family_key(command),
         "launcher": next((w.rsplit("/", 1)[-1] for w in words if w.rsplit("/", 1)[-1] in LAUNCHERS), "other"),
@@ -141,7 +147,8 @@ def script_features(script: str) -> dict[str, Any]:
         "lora": flags["lora"],
         "ckpt": flags["ckpt"],
         "int8": flags["int8"],
-        "zero": _num(opts.get("zero"), 0.0) or (2.0 if "zero" in lowered or "ds_config" in lowered else 0.0),
+        "zero": _num(opts.get("zero"), 0.0) or (float(zero_config.group(1)) if zero_config else
+                                                 2.0 if "zero" in lowered or "ds_config" in lowered else 0.0),
         "nproc": _num(opts.get("nproc"), 1.0),
         "log_steps": math.log(max(steps, 1.0)),
     }

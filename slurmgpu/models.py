@@ -78,8 +78,9 @@ def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float |
         return None
     tokens = math.exp(f["log_tokens"])
     a, b = fam.get("a", 0.0), fam.get("b", 0.0)
+    floor = fam.get("peak_at_tokens_min", 0.0)  # memory never shrinks as tokens grow
     if b > 0:
-        return max(a + b * tokens, 1.0)
+        return max(a + b * tokens, floor) if tokens >= fam.get("tokens_min", 0.0) else max(floor, 1.0)
     # One batch size seen: scale the peak as if it all grew with tokens (a safe upper bound).
     peak, t0 = math.exp(fam["log_peak_max"]), math.exp(fam["log_tokens_at_max"])
     return peak * max(tokens / t0, 1.0) if t0 > 0 else peak

@@ -217,6 +217,8 @@ class ModelDecider:
             return self._keep(rule, "model: no candidate type fits the predicted memory; request kept", per_type)
         best = min(choices, key=lambda c: self._score(c, baseline))
         gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline)
+        if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
+            gain = 1.0
         if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept",
                               per_type)
@@ -225,6 +227,11 @@ class ModelDecider:
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
+        if not baseline.fits:
+            why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
+                   f"{baseline.gpu_type} (with margin); {best.gpus} x {best.gpu_type} fits "
+                   f"({best.pred_peak_mem_mib / 1024:.1f} GiB)")
+            return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
         why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} predicted to finish in "
                f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
                f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "

@@ -24,13 +24,14 @@ USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
 def history_rows(engine: Engine) -> list[dict[str, Any]]:
     """Jobs that ran on GPUs, with script features (from gsbatch's record or an imported
-    script) and their measured per-GPU peak memory, oldest first."""
+    script) and their measured per-GPU peak memory, oldest first.
+
+    gsbatch records an array job under the id sbatch printed, so array tasks fall back to it.
+    """
     from slurmgpu.history import peak_of
 
-    stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.user, Job.submit_time, Job.state, Job.gpu_type,
-                   Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Submission.features,
-                   Submission.original_request)
-            .outerjoin(Submission, (Submission.cluster == Job.cluster) & (Submission.job_id == Job.job_id))
+    stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.user, Job.submit_time, Job.state,
+                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib)
             .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
             .order_by(Job.submit_time, Job.job_id))
     out = []
@@ -38,8 +39,12 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
         peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
             select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
             .group_by(GpuUsage.cluster, GpuUsage.job_id))}
+        records = {(c, j): (f, r) for c, j, f, r in conn.execute(
+            select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request))}
         for r in conn.execute(stmt).mappings():
-            feats = (r["features"] or {}).get("script")
+            rec = records.get((r["cluster"], r["job_id"])) or (
+                records.get((r["cluster"], str(r["array_job_id"]))) if r["array_job_id"] is not None else None)
+            feats = ((rec[0] or {}).get("script") if rec else None)
             if feats is None and r["comment"] and r["comment"].startswith("script:"):
                 feats = script_features(r["comment"][len("script:"):])
             if feats is None:
@@ -48,8 +53,17 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
             peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
             out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
                         "gpu_type": r["gpu_type"], "gpus": r["gpu_count"], "elapsed": r["elapsed_s"],
-                        "peak": peak, "script": feats, "request": r["original_request"] or {}})
+                        "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {}})
     return out
+
+
+def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
+    """Out of GPU memory: Slurm's OUT_OF_MEMORY is about host memory; a GPU OOM is a failed job
+    whose measured peak reached the card (PyTorch raises and the job exits 1)."""
+    if row["state"] == "OUT_OF_MEMORY":
+        return True
+    card = _gpu(config, row["gpu_type"])["memory_gib"] * 1024
+    return row["state"] == "FAILED" and bool(row["peak"]) and card > 0 and row["peak"] >= 0.95 * card
 
 
 class _Running:
@@ -67,7 +81,8 @@ class _Running:
     def _family_view(s: Mapping[str, float]) -> dict[str, float]:
         n, m = s["n"], s["m"]
         view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
-                "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0}
+                "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
+                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"]}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
             b = (s["tp"] - s["t"] * s["p"] / m) / var
@@ -87,7 +102,7 @@ class _Running:
     def add(self, row: Mapping[str, Any], gpu_mem_mib: float) -> None:
         key = row["script"]["family"]
         s = self.fam.setdefault(key, dict.fromkeys(("n", "m", "oom", "lpmax", "ltmax", "lpsum", "t", "p", "tt",
-                                                    "tp"), 0.0))
+                                                    "tp", "tmin", "pmin"), 0.0))
         s["n"] += 1
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
@@ -98,6 +113,10 @@ class _Running:
             s["lpsum"] += lp
             if lp >= s["lpmax"]:
                 s["lpmax"], s["ltmax"] = lp, row["script"]["log_tokens"]
+            if s["m"] == 1 or tokens < s["tmin"]:
+                s["tmin"], s["pmin"] = tokens, row["peak"]
+            elif tokens == s["tmin"]:
+                s["pmin"] = max(s["pmin"], row["peak"])
             s["t"] += tokens
             s["p"] += row["peak"]
             s["tt"] += tokens * tokens
@@ -127,8 +146,9 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
         gpus = max(int(row["gpus"]), 1)
         f = job_features(row["script"], request, gpu, gpus, history, row["user"])
         base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
-        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base})
-        running.add(row, gpu["memory_gib"] * 1024)
+        oom = gpu_oom(row, config)
+        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
+        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"]}, gpu["memory_gib"] * 1024)
     return examples, running.snapshot()
 
 
@@ -138,7 +158,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     from catboost import CatBoostRegressor
 
     examples, snapshot = build_examples(rows, config)
-    mem = [e for e in examples if e["peak"] and e["state"] != "OUT_OF_MEMORY"]
+    mem = [e for e in examples if e["peak"] and not e["oom"]]
     run = [e for e in examples if e["state"] == "COMPLETED" and e["elapsed"]]
     if len(mem) < 20 or len(run) < 20:
         raise ValueError(f"too little history to train: {len(mem)} jobs with GPU memory, {len(run)} completed")
@@ -150,7 +170,10 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     m_mem = CatBoostRegressor(iterations=iterations, depth=6, loss_function=f"Quantile:alpha={quantile}",
                               verbose=0, allow_writing_files=False, thread_count=2, random_seed=0)
     m_mem.fit([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part])
-    gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in calib)
+    # Calibrated on jobs whose family has history: the only ones the decider acts on, and a first
+    # job of an unknown family (an analytic base) would otherwise set the margin for everyone.
+    known = [e for e in calib if _known(e, config)] or calib
+    gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in known)
     calibration = max(gaps[min(int(math.ceil(quantile * (len(gaps) + 1))) - 1, len(gaps) - 1)], 0.0)
     progress(f"runtime model on {len(run)} jobs")
     m_run = CatBoostRegressor(iterations=iterations, depth=6, loss_function="RMSE", verbose=0,
@@ -165,6 +188,13 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         "jobs": len(examples),
     })
     return bundle, examples
+
+
+_FAM_N = NUMERIC.index("fam_n")
+
+
+def _known(example: Mapping[str, Any], config: Config) -> bool:
+    return example["x"][_FAM_N] >= config.policy.min_history
 
 
 def _shifted(trees: dict[str, Any], by: float) -> dict[str, Any]:
@@ -186,14 +216,20 @@ def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[d
     examples, _ = build_examples([*train_rows, *test_rows], config)
     test_ids = {r["job_id"] for r in test_rows}
     tests = [e for e in examples if e["job_id"] in test_ids]
-    mem = [e for e in tests if e["peak"] and e["state"] != "OUT_OF_MEMORY"]
-    run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"]]
-    under = sum(1 for e in mem if e["base"] * math.exp(bundle.memory.predict(e["x"])) < e["peak"])
+    all_mem = [e for e in tests if e["peak"] and not e["oom"]]
+    mem = [e for e in all_mem if _known(e, config)]
+    run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"] and _known(e, config)]
+
+    def under(items: list[dict[str, Any]]) -> float | None:
+        misses = sum(1 for e in items if e["base"] * math.exp(bundle.memory.predict(e["x"])) < e["peak"])
+        return misses / len(items) if items else None
+
     ape = sorted(abs(math.exp(bundle.runtime.predict(e["x"])) - e["elapsed"]) / e["elapsed"] for e in run)
     return {
         "test_jobs": len(tests),
-        "memory_jobs": len(mem),
-        "memory_under_prediction_rate": under / len(mem) if mem else None,
+        "memory_jobs": len(mem),  # jobs of families with history: the ones decisions are made for
+        "memory_under_prediction_rate": under(mem),
+        "memory_under_prediction_rate_all_families": under(all_mem),
         "runtime_jobs": len(run),
         "runtime_mdape": ape[len(ape) // 2] if ape else None,
     }
