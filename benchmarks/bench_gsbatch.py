@@ -18,10 +18,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+SAMPLE = ROOT / "contrib" / "slurmgpu.toml"
+DEMO = ROOT / "demo-out"
+# case -> (config, script text); the model cases need `make demo` first (its config and model).
 CASES = {
-    "kept": "#SBATCH -p gpu --gres=gpu:a100:1",
-    "rewritten": "#SBATCH -p gpu-small --gres=gpu:a100:1",
+    "rules, kept": (SAMPLE, "#!/bin/bash\n#SBATCH -p gpu --gres=gpu:a100:1\n#SBATCH -t 1\nsleep 1\n"),
+    "rules, rewritten": (SAMPLE, "#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\n#SBATCH -t 1\nsleep 1\n"),
 }
+
+
+def model_cases() -> dict[str, tuple[Path, str]]:
+    """A next-day script of a known family from the demo, kept and rewritten by the model."""
+    config = DEMO / "slurmgpu.toml"
+    if not config.exists():
+        return {}
+    out = {}
+    for path in sorted((DEMO / "new-runs").glob("*.sh")):
+        res = subprocess.run([str(BIN / "gsbatch"), "--dry-run", str(path)], capture_output=True, text=True,
+                             env={**os.environ, "SLURMGPU_CONFIG": str(config)}, check=False)
+        case = "model, rewritten" if "GPU request changed" in res.stderr else "model, kept"
+        out.setdefault(case, (config, path.read_text()))
+    return out
 
 
 def timed(argv: list[str], cwd: str, env: dict[str, str]) -> tuple[float, str]:
@@ -31,16 +48,16 @@ def timed(argv: list[str], cwd: str, env: dict[str, str]) -> tuple[float, str]:
 
 
 def main(runs: int) -> dict[str, dict[str, float]]:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-           "SLURMGPU_CONFIG": str(ROOT / "contrib" / "slurmgpu.toml")}
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     ids: list[str] = []
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         env["SLURMGPU_SUBMISSION_SPOOL"] = tmp  # records are written, as in production
         try:
-            for case, directives in CASES.items():
-                script = Path(tmp) / f"{case}.sh"
-                script.write_text(f"#!/bin/bash\n{directives}\n#SBATCH -t 1\nsleep 1\n")
+            for n, (case, (config, text)) in enumerate({**CASES, **model_cases()}.items()):
+                env["SLURMGPU_CONFIG"] = str(config)
+                script = Path(tmp) / f"case{n}.sh"
+                script.write_text(text)
                 times: dict[str, list[float]] = {"sbatch": [], "gsbatch": []}
                 for i in range(runs + 2):
                     for tool in ("sbatch", "gsbatch") if i % 2 else ("gsbatch", "sbatch"):

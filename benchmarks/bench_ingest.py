@@ -23,6 +23,10 @@ BIN = Path(sys.executable).parent
 _ID = re.compile(r"^(\d+)")
 
 
+def _shift_id(job_id: str, shift: int) -> str:
+    return _ID.sub(lambda m: str(int(m.group(1)) + shift), job_id)
+
+
 def write_dump(path: Path, rows: int) -> None:
     """Repeat the template, shifting every job id by a block offset, until ``rows`` rows."""
     template = [line for line in TEMPLATE.read_text().splitlines() if line]
@@ -34,9 +38,7 @@ def write_dump(path: Path, rows: int) -> None:
             shift = block * (top + 1)
             for line in template:
                 job_id, raw, rest = line.split("|", 2)
-                new_id = _ID.sub(lambda m: str(int(m.group(1)) + shift), job_id)
-                new_raw = _ID.sub(lambda m: str(int(m.group(1)) + shift), raw)
-                out.write(f"{new_id}|{new_raw}|{rest}\n")
+                out.write(f"{_shift_id(job_id, shift)}|{_shift_id(raw, shift)}|{rest}\n")
                 written += 1
                 if written == rows:
                     break

@@ -518,7 +518,7 @@ def demo_cmd() -> None:
     """Show gsbatch's decisions on the example scripts (nothing is submitted)."""
     from slurmgpu import demo
 
-    sys.exit(demo.run())
+    demo.run()
 
 
 from slurmgpu.cli_report import doctor_cmd, report_cmd  # noqa: E402 - they use the helpers above

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -33,6 +34,7 @@ EXAMPLES = ROOT / "contrib" / "examples"
 SAMPLE_CONFIG = ROOT / "contrib" / "slurmgpu.toml"
 DAYS = 30
 JOBS_PER_DAY = 120
+END = datetime(2026, 11, 1)
 
 
 def demo_config(out: Path) -> Path:
@@ -55,7 +57,8 @@ class _Offline(CliBackend):
         return {"a100": 4, "v100": 4, "t4": 4}
 
 
-def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = None) -> int:
+def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = None) -> dict[str, Any]:
+    """Run the demo; returns the held-out metrics and gsbatch's plans (script -> decision)."""
     from slurmgpu.workload import DEFAULT_CLUSTER, emit, generate
 
     console = console or Console()
@@ -64,7 +67,7 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
     config_path = demo_config(out)
     config = load_config(config_path)
     url = config.site.database_url
-    now = db.utcnow().replace(microsecond=0)
+    now = END  # a fixed window, so the demo's numbers are reproducible
 
     jobs = generate(DEFAULT_CLUSTER, now - timedelta(days=DAYS), DAYS, seed, jobs_per_day=JOBS_PER_DAY)
     held_back = [j for j in jobs if j.submit_time >= now - timedelta(days=1)]
@@ -113,6 +116,7 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
     for col in ("script", "request", "decision", "why"):
         table.add_column(col, overflow="fold")
     shown = None
+    plans = {}
     for path in [*sorted(EXAMPLES.glob("*.sh")), *sorted(new_runs.glob("*.sh"))]:
         try:
             p = plan(Invocation(script=str(path), flags=frozenset({"--dry-run"})), env, decider)
@@ -120,6 +124,7 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
             table.add_row(path.name, "-", "[red]error[/red]", str(exc))
             continue
         assert p.request is not None
+        plans[str(path)] = p
         if p.decision.refusal:
             verdict, why = "[red]refused[/red]", p.decision.refusal
         elif p.submission.changed:
@@ -133,4 +138,4 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
         console.print(f"\n[bold]gsbatch --dry-run {os.path.relpath(shown[0], ROOT)}[/bold] would submit:")
         console.print(shown[1], markup=False, highlight=False, soft_wrap=True)
     console.print(f"\nTry it: SLURMGPU_CONFIG={config_path} .venv/bin/gsbatch --dry-run --explain SCRIPT")
-    return 0
+    return {"metrics": metrics, "plans": plans, "held_back": held_back, "config": config}
