@@ -17,6 +17,9 @@
 # Environment:
 #   SLURMGPU_DB_TIMEOUT=N   seconds to wait for each server (default 30).
 set -euo pipefail
+PREFIX=databases
+# shellcheck source=../lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/common.sh"
 
 DB_NAME=slurmgpu_test
 DB_USER=slurmgpu
@@ -33,49 +36,6 @@ TIMEOUT=${SLURMGPU_DB_TIMEOUT:-30}
 PG_URL="postgresql+psycopg2://$DB_USER:$DB_PASS@$PG_HOST:$PG_PORT/$DB_NAME"
 MYSQL_URL="mysql+pymysql://$DB_USER:$DB_PASS@localhost/$DB_NAME?unix_socket=$MYSQL_SOCK&charset=utf8mb4"
 
-say() { printf '[databases] %s\n' "$*"; }
-die() { printf '[databases] ERROR: %s\n' "$1" >&2; shift
-        for log in "$@"; do
-            if [[ -r $log ]]; then printf -- '--- last lines of %s ---\n' "$log" >&2; tail -n 25 "$log" >&2; fi
-        done
-        exit 1; }
-
-# --- helpers (same semantics as contrib/local-slurm/cluster.sh) ---------------------------------
-alive() {
-    local stat
-    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    stat=${stat##*) }
-    [[ ${stat%% *} != Z ]]
-}
-# pid_of PIDFILE COMM: print the pid if the file names a live process whose comm is COMM.
-pid_of() {
-    local pid
-    [[ -r $1 ]] || return 1
-    pid=$(tr -dc '0-9' <"$1")
-    [[ -n $pid ]] && alive "$pid" && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] || return 1
-    echo "$pid"
-}
-
-# install_packages LOG PACKAGE...: apt-get install the packages not yet installed.
-install_packages() {
-    local log=$1; shift
-    local installed
-    installed=$(dpkg-query -W -f='${db:Status-Abbrev}\n' "$@" 2>/dev/null | grep -c '^ii' || true)
-    ((installed == $#)) && return 0
-    say "installing $*"
-    local own_policy=0 rc=0
-    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-        chmod 0755 /usr/sbin/policy-rc.d
-        own_policy=1
-    fi
-    {
-        DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -q &&
-        DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q --no-install-recommends "$@"
-    } >"$log" 2>&1 || rc=$?
-    if ((own_policy)); then rm -f /usr/sbin/policy-rc.d; fi
-    ((rc == 0)) || die "installing $* failed (exit $rc)" "$log"
-}
 
 # --- PostgreSQL -----------------------------------------------------------------------------------
 PG_VER="" PG_STATUS="" PG_LOG=""
@@ -211,22 +171,14 @@ EOF
 }
 
 mysql_down() {
-    local pid i dbd
+    local dbd
     if dbd=$(pid_of "$SLURMDBD_PID" slurmdbd); then
         say "mariadbd: left running (used by slurmdbd pid $dbd)"; return 0
     fi
-    if ! pid=$(pid_of "$MYSQL_PID" mariadbd); then
-        if mysql_ok; then say "mariadbd: left running (not started from $MYSQL_PID)"
-        else say "mariadbd: not running"; fi
-        return 0
+    if ! pid_of "$MYSQL_PID" mariadbd >/dev/null && mysql_ok; then
+        say "mariadbd: left running (not started from $MYSQL_PID)"; return 0
     fi
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < TIMEOUT * 5; i++)); do
-        alive "$pid" || { say "mariadbd: stopped (pid $pid)"; return 0; }
-        sleep 0.2
-    done
-    kill -KILL "$pid" 2>/dev/null || true
-    say "mariadbd: killed (pid $pid did not stop on SIGTERM)"
+    stop_daemon mariadbd "$MYSQL_PID" mariadbd
 }
 
 mysql_status() {

@@ -14,6 +14,9 @@
 #                                  Without it a pass-through hook is written only if none exists.
 #   SLURMGPU_CLUSTER_TIMEOUT=N     seconds to wait for each daemon (default 30).
 set -euo pipefail
+PREFIX=cluster
+# shellcheck source=../lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/common.sh"
 
 CLUSTER=slurmgpu
 CONF_DIR=/etc/slurm
@@ -34,31 +37,6 @@ TIMEOUT=${SLURMGPU_CLUSTER_TIMEOUT:-30}
 GPU_TYPES=(a100 v100 t4)
 GPUS_PER_TYPE=4
 
-say() { printf '[cluster] %s\n' "$*"; }
-die() { printf '[cluster] ERROR: %s\n' "$1" >&2; shift
-        for log in "$@"; do
-            if [[ -r $log ]]; then printf -- '--- last lines of %s ---\n' "$log" >&2; tail -n 25 "$log" >&2; fi
-        done
-        exit 1; }
-
-# --- pid-file helpers ---------------------------------------------------------------------------
-# pid_of PIDFILE COMM: print the pid if the file names a live process whose comm is COMM.
-pid_of() {
-    local pid
-    [[ -r $1 ]] || return 1
-    pid=$(tr -dc '0-9' <"$1")
-    [[ -n $pid ]] && alive "$pid" && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] || return 1
-    echo "$pid"
-}
-
-# alive PID: the process exists and is not a zombie (a container's pid 1 may not reap it).
-alive() {
-    local stat
-    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    stat=${stat##*) }
-    [[ ${stat%% *} != Z ]]
-}
-
 # wait_for NAME LOGFILE PIDFILE COMMAND...: poll COMMAND until it succeeds or TIMEOUT expires;
 # fail early when daemon NAME (its comm) has had no live process in PIDFILE for 5 s.
 wait_for() {
@@ -70,19 +48,6 @@ wait_for() {
         elif ((++dead > 25)); then die "$what is not running (exited during start-up?)" "$log"; fi
         sleep 0.2
     done
-}
-
-# stop_daemon NAME PIDFILE COMM
-stop_daemon() {
-    local name=$1 pidfile=$2 comm=$3 pid i
-    if ! pid=$(pid_of "$pidfile" "$comm"); then say "$name: not running"; return 0; fi
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < TIMEOUT * 5; i++)); do
-        alive "$pid" || { say "$name: stopped (pid $pid)"; return 0; }
-        sleep 0.2
-    done
-    kill -KILL "$pid" 2>/dev/null || true
-    say "$name: killed (pid $pid did not stop on SIGTERM)"
 }
 
 # write_if_changed DEST MODE OWNER < content; returns 0 when the file was (re)written.
@@ -102,27 +67,6 @@ write_if_changed() {
 
 # --- install ------------------------------------------------------------------------------------
 PACKAGES=(slurm-wlm slurmdbd slurm-wlm-basic-plugins munge mariadb-server)
-install_packages() {
-    local installed missing=0
-    installed=$(dpkg-query -W -f='${db:Status-Abbrev}\n' "${PACKAGES[@]}" 2>/dev/null | grep -c '^ii' || true)
-    ((installed == ${#PACKAGES[@]})) || missing=1
-    ((missing)) || return 0
-    say "installing Slurm, munge and MariaDB packages"
-    local own_policy=0
-    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-        chmod 0755 /usr/sbin/policy-rc.d
-        own_policy=1
-    fi
-    local rc=0
-    {
-        DEBIAN_FRONTEND=noninteractive apt-get update -q &&
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-            "${PACKAGES[@]}"
-    } >"/tmp/slurmgpu-cluster-apt.log" 2>&1 || rc=$?
-    if ((own_policy)); then rm -f /usr/sbin/policy-rc.d; fi
-    ((rc == 0)) || die "package installation failed (exit $rc)" /tmp/slurmgpu-cluster-apt.log
-}
 
 # --- host preparation ---------------------------------------------------------------------------
 prepare_host() {
@@ -390,7 +334,7 @@ start_slurmd() {
 
 # --- commands -----------------------------------------------------------------------------------
 cmd_up() {
-    install_packages
+    install_packages /tmp/slurmgpu-cluster-apt.log "${PACKAGES[@]}"
     prepare_host
     write_configs
     start_munge
