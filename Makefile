@@ -28,6 +28,8 @@ test-unit: install
 bench: install cluster-up
 	$(PY) benchmarks/bench_gsbatch.py
 	$(PY) benchmarks/bench_ingest.py
+	$(PY) benchmarks/bench_serve.py
+	$(PY) benchmarks/bench_model.py
 
 lint: install
 	$(VENV)/bin/ruff check slurmgpu tests benchmarks

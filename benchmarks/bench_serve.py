@@ -1,7 +1,8 @@
 """Decision latency of `slurmgpu serve` under load: several client processes, ~200 requests/s in all.
 
-The daemon runs as deployed (`slurmgpu serve`, model decider, one log line per decision) with a
-model trained on the model tests' synthetic history (400 trees, the training default). Each client
+The daemon runs as deployed (`slurmgpu serve`, one log line per decision), once with the rules
+decider (the daemon's own cost) and once with the model decider and a model trained on the model
+tests' synthetic history (400 trees, the training default). Each client
 opens a connection per request, as job_submit.lua does, and sends at a fixed pace for a bounded
 time; the jobs cycle through a pool of families, batch sizes and GPU requests. Target: p99 under
 5 ms at 200 requests/s on this project's 2-core machine. No cluster needed (without one the daemon
@@ -62,48 +63,44 @@ def client(socket_path: str, pool: list[dict], offset: int, rate: float, seconds
     return latencies, failures
 
 
-def main(rate: float, seconds: float, clients: int) -> dict[str, float]:
-    sample = (ROOT / "contrib" / "slurmgpu.toml").read_text()
+def main(decider: str, model: Path, rate: float, seconds: float, clients: int) -> dict[str, float | str]:
     tmp = tempfile.mkdtemp(prefix="bench-serve-")
     os.chmod(tmp, 0o755)
-    config_path, model = Path(tmp) / "slurmgpu.toml", Path(tmp) / "model.json"
-    config_path.write_text(re.sub(r'(?m)^decider = "\w+"', 'decider = "model"', sample))
-    config = load_config(config_path)
-    train.fit(history(2000), config, iterations=400)[0].save(str(model))
-    sock = os.path.join(tmp, "slurmgpu.sock")
+    config_path, log_path, sock = Path(tmp) / "slurmgpu.toml", Path(tmp) / "serve.log", os.path.join(tmp, "s.sock")
+    sample = (ROOT / "contrib" / "slurmgpu.toml").read_text()
+    config_path.write_text(re.sub(r'(?m)^decider = "\w+"', f'decider = "{decider}"', sample))
     exe = shutil.which("slurmgpu") or str(BIN / "slurmgpu")
-    log = open(Path(tmp) / "serve.log", "w")  # noqa: SIM115 - closed below
+    log = log_path.open("w")
     daemon = subprocess.Popen([exe, "--config", str(config_path), "serve", "--socket", sock, "--group", "",
                                "--slurm-user", "", "--model", str(model)], stderr=log)
     try:
         deadline = time.monotonic() + 60
         while serve.call(sock, {"op": "health"}) is None:
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"slurmgpu serve did not start: {(Path(tmp) / 'serve.log').read_text()}")
+                raise SystemExit(f"slurmgpu serve did not start: {log_path.read_text()}")
             time.sleep(0.1)
         pool = jobs()
         for job in pool:  # warm-up: every request once
             serve.ask(sock, job, timeout_s=5)
-        start = time.time() + 1.0
+        start, cpu0 = time.time() + 1.0, cpu_seconds(daemon.pid)
         with ProcessPoolExecutor(clients) as ex:
             futures = [ex.submit(client, sock, pool, i * 7, rate / clients, seconds, start + i / rate)
                        for i in range(clients)]
             results = [f.result() for f in futures]
-        elapsed = time.time() - start
-        cpu_s = cpu_seconds(daemon.pid)
+        elapsed, cpu = time.time() - start, cpu_seconds(daemon.pid) - cpu0
     finally:
         daemon.terminate()
         daemon.wait(10)
         log.close()
-        handled = [float(x) for x in re.findall(r"latency_ms=([0-9.]+)", (Path(tmp) / "serve.log").read_text())]
+        handled = [float(x) for x in re.findall(r"latency_ms=([0-9.]+)", log_path.read_text())][len(pool):]
         shutil.rmtree(tmp, ignore_errors=True)
     latencies = sorted(x * 1e3 for lat, _ in results for x in lat)
-    q, inside = statistics.quantiles(latencies, n=100), statistics.quantiles(handled[len(pool):], n=100)
-    return {"clients": clients, "target_rps": rate, "seconds": seconds, "requests": len(latencies),
-            "failures": sum(f for _, f in results), "achieved_rps": len(latencies) / elapsed,
-            "p50_ms": q[49], "p99_ms": q[98], "max_ms": latencies[-1],
+    q, inside = statistics.quantiles(latencies, n=100), statistics.quantiles(handled, n=100)
+    return {"decider": decider, "clients": clients, "target_rps": rate, "seconds": seconds,
+            "requests": len(latencies), "failures": sum(f for _, f in results),
+            "achieved_rps": len(latencies) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "max_ms": latencies[-1],
             "in_daemon_p50_ms": inside[49], "in_daemon_p99_ms": inside[98],
-            "daemon_cpu_ms_per_request": cpu_s * 1e3 / (len(handled) + 1), "distinct_jobs": len(pool)}
+            "daemon_cpu_ms_per_request": cpu * 1e3 / len(handled), "distinct_jobs": len(pool)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -113,14 +110,22 @@ def cpu_seconds(pid: int) -> float:
 
 
 if __name__ == "__main__":
-    res = main(float(os.environ.get("RATE", "200")), float(os.environ.get("DURATION", "20")),
-               int(os.environ.get("CLIENTS", "4")))
+    rate, seconds, clients = (float(os.environ.get("RATE", "200")), float(os.environ.get("DURATION", "15")),
+                              int(os.environ.get("CLIENTS", "4")))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model.json"
+        config = load_config(ROOT / "contrib" / "slurmgpu.toml")
+        train.fit(history(2000), config._replace(policy=config.policy._replace(decider="model")),
+                  iterations=400)[0].save(str(model))
+        results = [main(decider, model, rate, seconds, clients) for decider in ("rules", "model")]
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(res, indent=2))
-    print("| clients | req/s (target) | requests | failures | p50 | p99 | max | in daemon p50 / p99 | CPU/request |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {res['clients']} | {res['achieved_rps']:.1f} ({res['target_rps']:.0f}) | {res['requests']} | "
-          f"{res['failures']} | {res['p50_ms']:.2f} ms | {res['p99_ms']:.2f} ms | {res['max_ms']:.1f} ms | "
-          f"{res['in_daemon_p50_ms']:.2f} / {res['in_daemon_p99_ms']:.2f} ms | "
-          f"{res['daemon_cpu_ms_per_request']:.2f} ms |")
+    (out / "serve.json").write_text(json.dumps(results, indent=2))
+    print("| decider | clients | req/s (target) | requests | failures | p50 | p99 | max | in daemon p50 / p99 "
+          "| daemon CPU/request |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['decider']} | {r['clients']} | {r['achieved_rps']:.1f} ({r['target_rps']:.0f}) | "
+              f"{r['requests']} | {r['failures']} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
+              f"{r['max_ms']:.1f} ms | {r['in_daemon_p50_ms']:.2f} / {r['in_daemon_p99_ms']:.2f} ms | "
+              f"{r['daemon_cpu_ms_per_request']:.2f} ms |")

@@ -135,7 +135,7 @@ def lua_render(out: str, socket_path: str, timeout_ms: int, backoff_s: int, dry_
     from slurmgpu.gsbatch import DECIDED_MARKER
 
     text = render("lua/job_submit.lua.j2", enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
-                  socket=_check("--socket", socket_path), timeout_s=f"{timeout_ms / 1000:g}", backoff_s=backoff_s,
+                  socket=_check("--socket", socket_path), timeout_ms=timeout_ms, backoff_s=backoff_s,
                   marker=DECIDED_MARKER, partitions=_names("--partitions", partitions),
                   accounts=_names("--accounts", accounts), users=_names("--users", users))
     _write(out, text)

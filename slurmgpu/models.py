@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +30,29 @@ class TreeEnsemble:
         self.trees = [([(int(f), float(b)) for f, b in t["splits"]], [float(v) for v in t["leaves"]])
                       for t in data["trees"]]
         self.scale, self.bias = float(data["scale"]), float(data["bias"])
+        self._arrays: Any = None
+
+    def predict_many(self, rows: Sequence[Sequence[float]]) -> list[float]:
+        """Several rows at once: vectorised when numpy is already loaded (the daemon), else a loop
+        (gsbatch, which must not pay numpy's import for a handful of rows)."""
+        np = sys.modules.get("numpy")
+        if np is None or len(rows) < 2:
+            return [self.predict(x) for x in rows]
+        if self._arrays is None:
+            depth = max(len(s) for s, _ in self.trees)
+            feats = np.zeros((len(self.trees), depth), dtype=np.int64)
+            borders = np.full((len(self.trees), depth), np.inf)
+            leaves = np.zeros((len(self.trees), 1 << depth))
+            for t, (splits, values) in enumerate(self.trees):
+                for b, (f, border) in enumerate(splits):
+                    feats[t, b], borders[t, b] = f, border
+                leaves[t, :len(values)] = values
+            self._arrays = (feats, borders, leaves, 1 << np.arange(depth))
+        feats, borders, leaves, bits = self._arrays
+        x = np.asarray(rows, dtype=float)
+        index = ((x[:, feats] > borders) * bits).sum(axis=2)  # rows x trees
+        totals = leaves[np.arange(len(self.trees)), index].sum(axis=1)
+        return list(self.scale * totals + self.bias)
 
     def predict(self, x: Sequence[float]) -> float:
         total = 0.0
@@ -116,6 +140,11 @@ class Bundle:
         atomic_write(path, json.dumps(self.data, separators=(",", ":")).encode(), 0o644)
 
     def predict(self, f: Mapping[str, float], family: str) -> Prediction:
-        x = [f[name] for name in NUMERIC]
-        base = family_base_mib(f, self.history.family(family)) or analytic_base_mib(f)
-        return Prediction(base * math.exp(self.memory.predict(x)), math.exp(self.runtime.predict(x)))
+        return self.predict_many([f], family)[0]
+
+    def predict_many(self, rows: Sequence[Mapping[str, float]], family: str) -> list[Prediction]:
+        xs = [[f[name] for name in NUMERIC] for f in rows]
+        fam = self.history.family(family)
+        bases = [family_base_mib(f, fam) or analytic_base_mib(f) for f in rows]
+        return [Prediction(base * math.exp(m), math.exp(r)) for base, m, r in
+                zip(bases, self.memory.predict_many(xs), self.runtime.predict_many(xs), strict=True)]

@@ -193,18 +193,17 @@ class ModelDecider:
         req_type, req_total = comp.gpu_type, comp.gpus_total
         free = self.free_gpus()
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
-        table: list[Candidate] = []
+        options = []
         for part in offered:
             for gtype in part.gpu_types:
                 gt = self.config.gpu_types[gtype]
                 gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
                 counts = range(1, min(req_total, part.gpus_per_node) + 1) if comp.nodes == 1 else [req_total]
-                for c in counts:
-                    pred = self.bundle.predict(job_features(sf, req, gpu, c, self.bundle.history, self.user),
-                                               sf["family"])
-                    fits = pred.peak_mem_mib * (1 + policy.memory_margin) <= gt.memory_gib * 1024
-                    wait = 0.0 if free.get(gtype, 0) >= c else self.busy_wait_s
-                    table.append(Candidate(gtype, c, fits, pred.peak_mem_mib, pred.runtime_s, wait))
+                options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history, self.user)) for c in counts)
+        preds = self.bundle.predict_many([f for _, _, f in options], sf["family"])
+        table = [Candidate(gt.name, c, pred.peak_mem_mib * (1 + policy.memory_margin) <= gt.memory_gib * 1024,
+                           pred.peak_mem_mib, pred.runtime_s, 0.0 if free.get(gt.name, 0) >= c else self.busy_wait_s)
+                 for (gt, c, _), pred in zip(options, preds, strict=True)]
         per_type = tuple(table)
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
         if not asked:

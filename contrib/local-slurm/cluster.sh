@@ -66,7 +66,8 @@ write_if_changed() {
 }
 
 # --- install ------------------------------------------------------------------------------------
-PACKAGES=(slurm-wlm slurmdbd slurm-wlm-basic-plugins munge mariadb-server)
+# lua-socket lets job_submit.lua reach slurmgpu's daemon; lua5.1 runs the hook's own tests.
+PACKAGES=(slurm-wlm slurmdbd slurm-wlm-basic-plugins munge mariadb-server lua-socket lua5.1)
 
 # --- host preparation ---------------------------------------------------------------------------
 prepare_host() {

@@ -1,0 +1,409 @@
+"""The decision daemon: protocol, fields as sbatch words, bad input, model reload, who may ask."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurmgpu import serve
+from slurmgpu.cli_serve import lua_group, lua_string, render_serve_cmd
+from slurmgpu.config import Config, load_config
+from slurmgpu.models import Bundle
+from slurmgpu.policy import ModelDecider
+from slurmgpu.request import build_request
+from slurmgpu.script import parse_script
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "contrib" / "slurmgpu.toml"
+BUSY_A100 = {"a100": 0, "v100": 4, "t4": 4}
+
+
+@contextmanager
+def daemon(path: str, service: serve.Service, access: serve.Access | None = None,
+           mode: int = 0o660) -> Iterator[serve.Server]:
+    """A daemon in a thread of this process, stopped (and its socket removed) afterwards."""
+    server = serve.Server(path, service, access or serve.access_for(None, None, None), mode)
+    service.start()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        service.stopped.set()
+        server.shutdown()
+        thread.join(5)
+        server.server_close()
+
+
+def socket_dir() -> str:
+    """A 0755 directory every test user can traverse (pytest's tmp_path is 0700)."""
+    path = tempfile.mkdtemp(prefix="slurmgpu-serve-", dir="/tmp")
+    os.chmod(path, 0o755)
+    return path
+
+
+@pytest.fixture
+def sock() -> Iterator[str]:
+    directory = socket_dir()
+    yield os.path.join(directory, "slurmgpu.sock")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def with_model(config: Config) -> Config:
+    return config._replace(policy=config.policy._replace(decider="model"))
+
+
+def quick_bundle(config: Config) -> Bundle:
+    """A real bundle in a second or so: the synthetic history of the model tests, few trees."""
+    from test_models import history
+
+    from slurmgpu import train
+
+    return train.fit(history(600), config, iterations=60)[0]
+
+
+@pytest.fixture(scope="module")
+def rules() -> Config:
+    return load_config(SAMPLE)
+
+
+@pytest.fixture(scope="module")
+def model_config(rules: Config) -> Config:
+    return with_model(rules)
+
+
+@pytest.fixture(scope="module")
+def bundle(model_config: Config) -> Bundle:
+    return quick_bundle(model_config)
+
+
+def exchange(path: str, *lines: bytes, timeout: float = 5.0) -> list[dict | None]:
+    """Send raw lines on one connection; one parsed reply per line (None once the server hung up)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        replies = []
+        stream = s.makefile("rb")
+        for line in lines:
+            try:
+                s.sendall(line)
+                answer = stream.readline()
+            except OSError:
+                answer = b""
+            replies.append(json.loads(answer) if answer else None)
+        return replies
+
+
+# --- protocol ------------------------------------------------------------------------------------
+
+
+def test_health_and_a_rule_decision(rules: Config, sock: str) -> None:
+    with daemon(sock, serve.Service(rules)):
+        health = serve.call(sock, {"op": "health"})
+        assert health and health["ok"] and health["decider"] == "rules" and health["model"] is None
+        job = {"script": "#!/bin/bash\n#SBATCH -p gpu-small\npython x.py\n", "tres_per_node": "gres:gpu:v100:1",
+               "partition": "gpu-small", "user_name": "ann", "num_tasks": serve.NO_VAL}
+        decision = serve.ask(sock, job)
+        assert decision is not None
+        assert decision["apply"] == {"partition": "gpu"} and decision["changed"]
+        assert decision["request"] == "--gres=gpu:v100:1 in partition gpu-small"
+        assert set(decision) >= {"decider", "refused", "changes", "reasons", "per_type"}  # Decision.to_json
+        assert serve.call(sock, {"op": "health"})["requests"] == 3
+
+
+@pytest.mark.parametrize(("job", "apply"), [
+    ({"tres_per_node": "gres:gpu:v100:1", "partition": "gpu-small"}, {"partition": "gpu"}),
+    ({"tres_per_task": "gres/gpu=1", "num_tasks": 2, "features": "v100"}, {"tres_per_task": "gpu:v100:1"}),
+    ({"tres_per_job": "gres:gpu:2", "features": "t4", "partition": "gpu-small"}, {"tres_per_job": "gpu:t4:2"}),
+    ({"tres_per_socket": "gres/gpu:1", "sockets_per_node": 1, "features": "a100"},
+     {"tres_per_socket": "gpu:a100:1"}),
+    ({"tres_per_node": "gres:gpu:a100:2", "partition": "gpu"}, {}),
+    ({"partition": "gpu"}, {}),
+], ids=["moved", "per-task-24.11", "per-job", "per-socket", "fits", "no-gpus"])
+def test_each_tres_field_comes_back_in_its_own_field(rules: Config, sock: str, job: dict, apply: dict) -> None:
+    with daemon(sock, serve.Service(rules)):
+        decision = serve.ask(sock, {"script": "#!/bin/bash\ntrue\n", **job})
+    assert decision is not None and decision["apply"] == apply
+
+
+def test_job_fields_override_the_script_as_sbatch_options_do() -> None:
+    script = ("#!/bin/bash\n#SBATCH --gres=gpu:a100:1 -p debug --time=10 -N 3\n#SBATCH --gpus-per-node=1\n"
+              "python train.py\n")
+    job = {"script": script, "tres_per_node": "gres:gpu:v100:2", "partition": "gpu", "time_limit": 30,
+           "min_nodes": 1, "max_nodes": serve.NO_VAL, "num_tasks": serve.NO_VAL, "ntasks_per_node": serve.NO_VAL16,
+           "cpus_per_task": 4, "account": "ml", "name": "train.sh"}
+    request = serve.job_request(job, set())
+    comp = request.main
+    assert (comp.gpu_type, comp.gpus_total, comp.partition, comp.time_limit_s) == ("v100", 2, "gpu", 1800)
+    assert (comp.nodes, comp.ntasks, comp.cpus_per_task, comp.account, comp.job_name) == (1, None, 4, "ml", "train.sh")
+    assert request.script is not None and "python train.py" in request.script.text
+    assert serve.job_words({"min_nodes": 2, "max_nodes": 4}) == ["--nodes=2-4"]
+    assert serve.gpu_entries("gres/gpu:a100=2,gres/shard:1,gres:gpu") == ["gpu:a100:2", "gpu"]
+
+
+def test_the_model_decider_answers_as_it_would_in_gsbatch(model_config: Config, bundle: Bundle, tmp_path: Path,
+                                                          sock: str) -> None:
+    from test_models import script_for
+
+    path = tmp_path / "model.json"
+    bundle.save(str(path))
+    text = script_for("resnet", 16, 1000, "a100")
+    with daemon(sock, serve.Service(model_config, str(path), lambda: BUSY_A100, reload_s=0.1)):
+        time.sleep(0.3)  # the watcher's first idle-GPU refresh
+        decision = serve.ask(sock, {"script": text, "tres_per_node": "gres:gpu:a100:4", "user_name": "ann"})
+        health = serve.call(sock, {"op": "health"})
+    direct = ModelDecider(model_config, bundle, lambda: BUSY_A100, "ann").decide(
+        build_request(parse_script(text.encode(), "job.sh"), ["--gres=gpu:a100:4"], {}, model_config.gpu_features()))
+    assert decision is not None and direct.changed
+    change = direct.changes[0]
+    assert decision["changes"] == [change._asdict()]
+    assert decision["apply"] == {"tres_per_node": f"gpu:{change.gpu_type or 'a100'}:{change.gpus_total or 4}"}
+    assert health["model"]["loaded"] and health["model"]["path"] == str(path) and health["model"]["jobs"] > 0
+
+
+def test_a_new_model_file_is_picked_up_without_dropping_requests(model_config: Config, bundle: Bundle,
+                                                                 tmp_path: Path, sock: str) -> None:
+    from test_models import script_for
+
+    path = tmp_path / "model.json"
+    bundle.save(str(path))
+    job = {"script": script_for("bert", 16, 1000, "a100"), "tres_per_node": "gres:gpu:a100:2"}
+    answers: list[dict | None] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            answers.append(serve.ask(sock, job, timeout_s=2.0))
+
+    with daemon(sock, serve.Service(model_config, str(path), lambda: BUSY_A100, reload_s=0.1)):
+        first = serve.call(sock, {"op": "health"})["model"]["sha256"]
+        clients = [threading.Thread(target=client) for _ in range(3)]
+        for t in clients:
+            t.start()
+        time.sleep(0.3)
+        Bundle({**bundle.data, "jobs": bundle.data["jobs"] + 1}).save(str(path))  # atomic replace
+        deadline = time.monotonic() + 5
+        while serve.call(sock, {"op": "health"})["model"]["sha256"] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        path.write_text("{broken")  # a bad file keeps the model in use
+        time.sleep(0.4)
+        stop.set()
+        for t in clients:
+            t.join()
+        health = serve.call(sock, {"op": "health"})["model"]
+    assert len(answers) > 20 and all(a is not None and a["decider"] == "model" for a in answers)
+    assert health["sha256"] != first and health["jobs"] == bundle.data["jobs"] + 1
+    assert health["loaded"] and "model.json" in health["error"]
+
+
+def test_without_a_usable_model_requests_are_kept(model_config: Config, tmp_path: Path, sock: str) -> None:
+    with daemon(sock, serve.Service(model_config, str(tmp_path / "none.json"))):
+        decision = serve.ask(sock, {"script": "#!/bin/bash\ntrue\n", "tres_per_node": "gres:gpu:a100:1"})
+        health = serve.call(sock, {"op": "health"})
+    assert decision and decision["apply"] == {} and "model unusable" in decision["reasons"][-1]
+    assert not health["model"]["loaded"] and "No such file" in health["model"]["error"]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+BAD = [
+    (b"not json\n", "Expecting value"),
+    (b"[1, 2]\n", "unknown op"),
+    (b'{"op": "history", "user": "bob"}\n', "unknown op 'history'"),
+    (b'{"op": "decide"}\n', "'job' must be an object"),
+    (b'{"op": "decide", "job": {"script": "echo no shebang\\n"}}\n', "#!"),
+    (b'{"op": "decide", "job": {"tres_per_node": "gres:gpu:-1"}}\n', "negative GPU count"),
+    (b'{"op": "decide", "job": {"num_tasks": "four"}}\n', "num_tasks: must be a whole number"),
+    (b'{"op": "decide", "job": {"num_tasks": 1e400}}\n', "num_tasks: must be a whole number"),
+    (b'{"op": "decide", "job": {"partition": "a\\nb"}}\n', "partition: must be a one-line string"),
+    (b'{"op": "decide", "job": {"tres_per_node": "gres:gpu:2", "tres_per_task": "gres:gpu:1"}}\n',
+     "--gpus-per-task used without"),
+    (b"[" * 100000 + b"\n", "recursion"),
+    (b'{"op": "decide", "job": {"script": "#!/bin/bash\\n\xff\xfe\\ntrue\\n"}}\n', None),
+]
+
+
+def test_bad_input_gets_an_error_and_the_daemon_carries_on(rules: Config, sock: str) -> None:
+    with daemon(sock, serve.Service(rules)):
+        replies = exchange(sock, *(line for line, _ in BAD), b'{"op": "health"}\n')
+        assert replies[-1] and replies[-1]["ok"]
+        for (line, expect), reply in zip(BAD, replies, strict=False):
+            assert reply is not None, line[:60]
+            if expect is None:
+                assert reply["ok"], reply
+            else:
+                assert not reply["ok"] and expect in reply["error"], (line[:60], reply)
+        too_long = exchange(sock, b'{"op": "decide", "job": {"script": "' + b"x" * serve.MAX_REQUEST_BYTES + b'"}}\n',
+                            b'{"op": "health"}\n')
+        assert too_long[0] and "longer than" in too_long[0]["error"] and too_long[1] is None  # hung up
+        assert serve.call(sock, {"op": "health"})["ok"]
+
+
+# --- socket, permissions, start and stop ---------------------------------------------------------
+
+
+def test_socket_file_is_private_to_its_group(rules: Config, sock: str) -> None:
+    with daemon(sock, serve.Service(rules), serve.access_for("root", None, None)):
+        st = os.stat(sock)
+        assert oct(st.st_mode & 0o777) == "0o660" and st.st_gid == 0 and st.st_uid == os.geteuid()
+        directory = os.stat(os.path.dirname(sock))
+        assert directory.st_mode & 0o777 == 0o755
+
+
+def test_refuses_a_shared_directory_or_a_second_daemon_and_replaces_a_stale_socket(rules: Config, sock: str) -> None:
+    os.chmod(os.path.dirname(sock), 0o777)
+    with pytest.raises(serve.InputError, match="writable by no one else"):
+        serve.Server(sock, serve.Service(rules), serve.access_for(None, None, None))
+    os.chmod(os.path.dirname(sock), 0o755)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(sock)
+    stale.close()  # the file stays, nobody listens
+    with daemon(sock, serve.Service(rules)):
+        with pytest.raises(serve.InputError, match="already answers"):
+            serve.Server(sock, serve.Service(rules), serve.access_for(None, None, None))
+        assert serve.call(sock, {"op": "health"})
+    assert not os.path.exists(sock)
+
+
+USERS = {"sgserve-in": True, "sgserve-out": False}
+CLIENT = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(5)
+try:
+    s.connect(sys.argv[1])
+except OSError as exc:
+    print(json.dumps({"connect": exc.errno}))
+    sys.exit()
+try:
+    s.sendall(b'{"op": "health"}\\n')
+except BrokenPipeError:  # a refused peer may be answered and hung up on before it sends
+    pass
+print(s.makefile().readline().strip() or "null")
+"""
+
+
+@pytest.fixture(scope="module")
+def test_users() -> str:
+    """Group sgserve with member sgserve-in; sgserve-out belongs to no such group."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create test users")
+    if subprocess.run(["getent", "group", "sgserve"], capture_output=True).returncode:
+        subprocess.run(["groupadd", "sgserve"], check=True)
+    for user, member in USERS.items():
+        if subprocess.run(["id", user], capture_output=True).returncode:
+            subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", *(["-G", "sgserve"] if member else []), user],
+                           check=True)
+    return "sgserve"
+
+
+def as_user(user: str, path: str) -> dict | None:
+    pw = pwd.getpwnam(user)
+    res = subprocess.run(["/usr/bin/python3", "-I", "-c", CLIENT, path], capture_output=True, text=True, timeout=20,
+                         user=pw.pw_uid, group=pw.pw_gid, extra_groups=os.getgrouplist(user, pw.pw_gid), check=True)
+    return json.loads(res.stdout)
+
+
+def test_only_the_group_root_and_slurmuser_get_answers(rules: Config, sock: str, test_users: str) -> None:
+    import errno
+
+    group = grp.getgrnam(test_users).gr_gid
+    with daemon(sock, serve.Service(rules), serve.access_for(test_users, None, None)):
+        assert os.stat(sock).st_gid == group
+        assert as_user("sgserve-in", sock)["ok"]
+        assert as_user("sgserve-out", sock) == {"connect": errno.EACCES}  # the file mode stops it
+    with daemon(sock, serve.Service(rules), serve.access_for(test_users, "nobody", None), mode=0o666):
+        assert as_user("sgserve-in", sock)["ok"]
+        assert as_user("sgserve-out", sock) == {"ok": False, "error": "permission denied"}  # SO_PEERCRED stops it
+        assert as_user("nobody", sock)["ok"]  # as SlurmUser
+
+
+def test_serve_command_drops_root_logs_decisions_and_stops_on_sigterm(sock: str) -> None:
+    program = ("from slurmgpu.cli import main; from slurmgpu.cli_serve import serve_cmd; "
+               "main.add_command(serve_cmd); main()")
+    proc = subprocess.Popen([sys.executable, "-c", program, "--config", str(SAMPLE), "serve", "--socket", sock,
+                             "--group", "", "--slurm-user", "", "--run-as", "nobody"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while serve.call(sock, {"op": "health"}) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        assert f"Uid:\t{pwd.getpwnam('nobody').pw_uid}\t" in status
+        decision = serve.ask(sock, {"script": "#!/bin/bash\ntrue\n", "tres_per_node": "gres:gpu:v100:1",
+                                    "partition": "gpu-small", "user_name": "ann"}, timeout_s=5)
+        assert decision and decision["apply"] == {"partition": "gpu"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    line = next(x for x in err.splitlines() if 'user="ann"' in x)
+    assert 'request="--gres=gpu:v100:1 in partition gpu-small" result="partition=gpu"' in line and "latency_ms=" in line
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def test_lua_render_validates_and_quotes(tmp_path: Path) -> None:
+    out = tmp_path / "job_submit.lua"
+    runner = CliRunner()
+    for bad in (["--partitions", 'gpu,"x'], ["--users", "a b"], ["--socket", "relative.sock"],
+                ["--socket", "/run/../etc/x"], ["--timeout-ms", "0"]):
+        res = runner.invoke(lua_group, ["render", "--out", str(out), *bad])
+        assert res.exit_code != 0 and not out.exists(), bad
+    res = runner.invoke(lua_group, ["render", "--out", str(out), "--partitions", "gpu, debug", "--users", "ann,1001",
+                                    "--timeout-ms", "150", "--dry-run", "--backoff-s", "0"])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert 'partitions = {["gpu"] = true, ["debug"] = true}' in text
+    assert 'users = {["ann"] = true, ["1001"] = true}' in text
+    assert "timeout_ms = 150," in text and "dry_run = true," in text and "backoff_s = 0," in text
+    assert 'marker = "SLURMGPU_DECIDED"' in text
+    assert lua_string('a"b\\c\né') == '"a\\034b\\092c\\010\\195\\169"'
+    if shutil.which("luac5.1"):
+        subprocess.run(["luac5.1", "-p", str(out)], check=True)
+
+
+def test_contrib_samples_are_current_renders(tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(lua_group, ["render", "--out", str(tmp_path / "job_submit.lua")]).exit_code == 0
+    assert (tmp_path / "job_submit.lua").read_text() == (ROOT / "contrib" / "lua" / "job_submit.lua").read_text()
+    res = runner.invoke(render_serve_cmd, ["--out", str(tmp_path), "--bin", "/usr/local/bin/slurmgpu"])
+    assert res.exit_code == 0, res.output
+    unit = (tmp_path / "slurmgpu-serve.service").read_text()
+    assert unit == (ROOT / "contrib" / "systemd" / "slurmgpu-serve.service").read_text()
+    assert "RuntimeDirectory=slurmgpu\n" in unit and "--run-as slurmgpu" in unit
+    res = runner.invoke(render_serve_cmd, ["--out", str(tmp_path), "--socket", "/var/lib/sg/s.sock", "--bin", "/x"])
+    assert "ReadWritePaths=/var/lib/sg\n" in (tmp_path / "slurmgpu-serve.service").read_text()
+
+
+def test_ask_gives_none_when_nobody_answers(sock: str) -> None:
+    assert serve.ask(sock, {}) is None
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(sock)
+    listener.listen()
+    try:
+        t0 = time.monotonic()
+        assert serve.ask(sock, {}, timeout_s=0.2) is None
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        listener.close()

@@ -1,0 +1,426 @@
+"""job_submit.lua: its logic under the lua5.1 interpreter, then inside the real slurmctld.
+
+The interpreter tests run the rendered hook with a stub ``slurm`` table against the daemon (or a
+stopped, hung or garbage-answering stand-in); they need Debian's lua5.1 and lua-socket. The
+cluster tests install the hook with ``cluster.sh up``, submit real jobs and put the previous
+hook back at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+from click.testing import CliRunner
+from test_serve import BUSY_A100, SAMPLE, daemon, quick_bundle, socket_dir, with_model
+from test_slurm_gsbatch import job_info
+
+from slurmgpu import serve
+from slurmgpu.cli_serve import lua_group, lua_string
+from slurmgpu.config import Config, Partition, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TRES = ("tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition")
+TIMEOUT_S = 0.2
+GARBAGE = [
+    b"garbage\n",
+    b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:a100:4; rm -rf /"}}}\n',
+    b'{"ok": true, "decision": {"apply": {"partition": ["gpu"]}}}\n',
+    b'{"ok": true, "decision": {"apply": {"comment": "x"}}}\n',
+    b'{"ok": true, "decision": 7}\n',
+    b'{"ok": true, "decision": {"apply": {}}} trailing\n',
+    b'{"ok": tru',  # then hangs up
+    b"[" * 5000 + b"\n",
+    b"x" * 100000,  # no newline, longer than any answer
+]
+
+
+def render_hook(path: Path, *options: str) -> Path:
+    res = CliRunner().invoke(lua_group, ["render", "--out", str(path), *options])
+    assert res.exit_code == 0, res.output
+    return path
+
+
+@contextmanager
+def stand_in(path: str, kind: str) -> Iterator[None]:
+    """Something at the socket that is not a working daemon: 'stale' (a dead socket file),
+    'hung' (accepts, never answers) or 'garbage' (answers each request with the next of GARBAGE)."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    os.chmod(path, 0o666)
+    if kind == "stale":
+        listener.close()
+        yield
+        os.unlink(path)
+        return
+    listener.listen(64)
+    listener.settimeout(0.05)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        n = 0
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            if kind == "hung":
+                held.append(conn)
+                continue
+            try:
+                conn.settimeout(1)
+                conn.recv(1 << 20)
+                conn.sendall(GARBAGE[n % len(GARBAGE)])
+            except OSError:
+                pass
+            n += 1
+            conn.close()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        for conn in held:
+            conn.close()
+        os.unlink(path)
+
+
+@pytest.fixture
+def sock() -> Iterator[str]:
+    directory = socket_dir()
+    yield os.path.join(directory, "slurmgpu.sock")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- the hook under lua5.1 ------------------------------------------------------------------------
+
+DRIVER = r"""
+slurm = { SUCCESS = 0 }
+function slurm.log_info(fmt, ...) io.stderr:write("info: ", string.format(fmt, ...), "\n") end
+function slurm.log_error(fmt, ...) io.stderr:write("error: ", string.format(fmt, ...), "\n") end
+assert(dofile(arg[1]) == slurm.SUCCESS)
+local have_socket, socket = pcall(require, "socket")
+local clock = have_socket and socket.gettime or os.clock
+local parts = { gpu = { flag_default = 1 }, ["gpu-small"] = { flag_default = 0 } }
+for _, job in ipairs(dofile(arg[2])) do
+    local t0 = clock()
+    local rc = slurm_job_submit(job, parts, 0)
+    io.write(string.format("%d\t%.4f", rc, clock() - t0))
+    for _, key in ipairs({ "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition" }) do
+        io.write("\t", tostring(job[key]))
+    end
+    io.write("\n")
+end
+"""
+
+
+class Outcome(NamedTuple):
+    rc: int
+    seconds: float
+    fields: dict[str, str | None]
+
+
+def lua_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"[{lua_string(k)}] = {lua_value(v)}" for k, v in value.items()) + "}"
+    return lua_string(value) if isinstance(value, str) else repr(value)
+
+
+def job(**fields: Any) -> dict[str, Any]:
+    return {"script": "#!/bin/bash\npython train.py\n", "user_name": "ann", "user_id": 1001, "name": "train.sh",
+            "environment": {}, **fields}
+
+
+@pytest.fixture(scope="module")
+def lua(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    probe = subprocess.run(["lua5.1", "-e", 'require("socket.unix")'], capture_output=True) \
+        if shutil.which("lua5.1") else None
+    if probe is None or probe.returncode:
+        why = "lua5.1 and lua-socket not installed (apt-get install lua5.1 lua-socket)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why}; CI=true: these tests must run")
+        pytest.skip(why)
+    driver = tmp_path_factory.mktemp("lua") / "driver.lua"
+    driver.write_text(DRIVER)
+    return driver
+
+
+def run_hook(driver: Path, hook: Path, jobs: list[dict[str, Any]],
+             env: dict[str, str] | None = None) -> tuple[list[Outcome], str]:
+    spec = driver.parent / "jobs.lua"
+    spec.write_text("return {" + ", ".join(lua_value(j) for j in jobs) + "}\n")
+    res = subprocess.run(["lua5.1", str(driver), str(hook), str(spec)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **(env or {})})
+    assert res.returncode == 0, res.stderr
+    out = []
+    for line in res.stdout.splitlines():
+        rc, seconds, *values = line.split("\t")
+        out.append(Outcome(int(rc), float(seconds), {k: None if v == "nil" else v for k, v in zip(TRES, values,
+                                                                                              strict=True)}))
+    return out, res.stderr
+
+
+def requests(path: str) -> int:
+    health = serve.call(path, {"op": "health"})
+    assert health
+    return health["requests"] - 1
+
+
+MOVED = job(tres_per_node="gres:gpu:v100:1", partition="gpu-small")  # rules: v100 is in partition gpu
+
+
+def test_hook_applies_decisions_in_either_slurm_spelling(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock)
+    jobs = [
+        job(tres_per_node="gres:gpu:v100:1,gres:shard:1", partition="gpu-small"),
+        job(tres_per_task="cpu=2,gres/gpu=1", features="v100", num_tasks=2),  # Slurm 24.11 spelling
+        job(tres_per_job="gres:gpu:2", features="t4", partition="gpu-small", num_tasks=4294967294),
+        job(tres_per_node="gres:gpu:a100:2"),  # fits: kept
+        job(partition="gpu-small"),  # no GPUs: not asked
+        {**MOVED, "script": None},  # not a batch job: not asked
+        {**MOVED, "environment": {"SLURMGPU_DECIDED": "1"}},  # gsbatch decided it: not asked
+    ]
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, jobs)
+        assert requests(sock) == 4
+    assert all(o.rc == 0 for o in out)
+    assert out[0].fields["partition"] == "gpu" and out[0].fields["tres_per_node"] == "gres:gpu:v100:1,gres:shard:1"
+    assert out[1].fields["tres_per_task"] == "cpu=2,gres/gpu:v100=1"
+    assert out[2].fields["tres_per_job"] == "gres:gpu:t4:2"
+    assert out[3].fields == {**dict.fromkeys(TRES), "tres_per_node": "gres:gpu:a100:2"}
+    for o, j in zip(out[4:], jobs[4:], strict=True):
+        assert o.fields == {k: j.get(k) for k in TRES}
+    assert "info: slurmgpu: job train.sh of ann changed: partition gpu-small -> gpu (GPU type v100" in log
+    assert "kept as submitted" in log and "error" not in log
+
+
+@pytest.mark.parametrize(("options", "extra", "changed"), [
+    (["--partitions", "gpu"], {}, False),
+    (["--partitions", "gpu-small,debug"], {}, True),
+    (["--accounts", "ml"], {"account": "ml"}, True),
+    (["--accounts", "ml"], {"account": "physics"}, False),
+    (["--accounts", "ml"], {"default_account": "ml"}, True),
+    (["--users", "1001"], {}, True),
+    (["--users", "bob"], {}, False),
+    (["--dry-run"], {}, False),
+    (["--disabled"], {}, False),
+])
+def test_scope_dry_run_and_off_switch(lua: Path, sock: str, tmp_path: Path, options: list[str], extra: dict,
+                                      changed: bool) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, *options)
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, [{**MOVED, **extra}])
+    assert out[0].fields["partition"] == ("gpu" if changed else "gpu-small")
+    if "--dry-run" in options:
+        assert "dry run: job train.sh of ann would change: partition gpu-small -> gpu" in log
+
+
+def test_default_partition_counts_for_scope(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--partitions", "gpu")
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, _ = run_hook(lua, hook, [job(tres_per_node="gres:gpu:1", features="v100")])
+    assert out[0].fields["tres_per_node"] == "gres:gpu:v100:1"
+
+
+@pytest.mark.parametrize("kind", ["stopped", "stale", "hung", "garbage"])
+def test_a_broken_daemon_leaves_jobs_as_submitted_within_the_timeout(lua: Path, sock: str, tmp_path: Path,
+                                                                     kind: str) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "0")
+    jobs = [MOVED] * len(GARBAGE)
+    if kind == "stopped":
+        out, log = run_hook(lua, hook, jobs)
+    else:
+        with stand_in(sock, kind):
+            out, log = run_hook(lua, hook, jobs)
+    for o in out:
+        assert o.rc == 0 and o.fields == {k: MOVED.get(k) for k in TRES}
+        assert o.seconds < TIMEOUT_S + 0.1
+    if kind == "hung":
+        assert min(o.seconds for o in out) >= TIMEOUT_S * 0.9
+    assert log.count("error: slurmgpu: ") == len(jobs), log
+
+
+def test_after_a_failure_jobs_pass_unasked_for_the_backoff(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "30")
+    with stand_in(sock, "hung"):
+        out, log = run_hook(lua, hook, [MOVED] * 5)
+    assert out[0].seconds >= TIMEOUT_S * 0.9 and all(o.seconds < 0.05 for o in out[1:])
+    assert log.count("error:") == 1 and "jobs pass unasked for 30 s" in log
+
+
+def test_an_error_answer_is_not_a_failure_of_the_daemon(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "30")
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, [{**MOVED, "script": "echo no shebang\n"}, MOVED])
+    assert out[0].fields["partition"] == "gpu-small" and out[1].fields["partition"] == "gpu"
+    assert "left as submitted: slurmgpu says" in log and "error:" not in log
+
+
+def test_without_lua_socket_every_job_passes(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock)
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, [MOVED], env={"LUA_CPATH": "/nonexistent/?.so", "LUA_PATH": "/none/?.lua"})
+        assert requests(sock) == 0
+    assert out[0].rc == 0 and out[0].fields["partition"] == "gpu-small"
+    assert "lua-socket (socket.unix) not available" in log
+
+
+# --- the hook inside slurmctld ---------------------------------------------------------------------
+
+CLUSTER = ["bash", str(ROOT / "contrib" / "local-slurm" / "cluster.sh"), "up"]
+SLURMCTLD_LOG = Path("/var/log/slurmgpu-cluster/slurmctld.log")
+BATCH = 20
+
+
+def install(hook: Path) -> None:
+    res = subprocess.run(CLUSTER, env={**os.environ, "SLURMGPU_JOB_SUBMIT_LUA": str(hook)}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+class Site(NamedTuple):
+    socket: str
+    config: Config
+    model: str
+    script: Path
+    jobs: list[str]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    """The hook installed for partition debug only (other tests' jobs never reach it), a model
+    decider config and bundle, and the hook that was there before, put back at the end."""
+    from test_models import script_for
+
+    work = tmp_path_factory.mktemp("slurm-lua")
+    saved = work / "job_submit.lua.saved"
+    shutil.copyfile("/etc/slurm/job_submit.lua", saved)
+    sample = load_config(SAMPLE)
+    config = with_model(sample._replace(partitions={
+        **sample.partitions, "debug": Partition("debug", ("a100", "v100"), 4, 1, False)}))
+    model = work / "model.json"
+    quick_bundle(config).save(str(model))
+    directory = tempfile.mkdtemp(prefix="slurmgpu-lua-", dir="/run")
+    os.chmod(directory, 0o755)
+    script = work / "resnet.sh"
+    script.write_text(script_for("resnet", 16, 1000, "a100"))
+    jobs: list[str] = []
+    install(render_hook(work / "hook.lua", "--socket", f"{directory}/slurmgpu.sock", "--partitions", "debug",
+                        "--backoff-s", "0"))
+    try:
+        yield Site(f"{directory}/slurmgpu.sock", config, str(model), script, jobs)
+    finally:
+        if jobs:
+            subprocess.run(["scancel", *jobs], check=False)
+        install(saved)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextmanager
+def site_daemon(site: Site) -> Iterator[None]:
+    service = serve.Service(site.config, site.model, lambda: BUSY_A100, reload_s=0.2)
+    service.refresh_free()
+    with daemon(site.socket, service, serve.access_for("slurm", "slurm", None)):
+        yield
+
+
+def sbatch(site: Site, *options: str, env: dict[str, str] | None = None) -> tuple[dict[str, str], float]:
+    t0 = time.monotonic()
+    res = subprocess.run(["sbatch", "--parsable", "--hold", *options, str(site.script)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, **(env or {})})
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    site.jobs.append(res.stdout.strip().split(";")[0])
+    info = job_info(site.jobs[-1])
+    return {k: info.get(k, "").replace("gres:", "").replace("gres/", "") for k in ("TresPerNode", "Partition")}, took
+
+
+def log_since(offset: int) -> str:
+    with SLURMCTLD_LOG.open("rb") as fh:
+        fh.seek(offset)
+        return fh.read().decode(errors="replace")
+
+
+@pytest.mark.slurm
+def test_a_plain_sbatch_job_gets_the_decided_gpus(site: Site) -> None:
+    offset = SLURMCTLD_LOG.stat().st_size
+    with site_daemon(site):
+        expected = serve.ask(site.socket, {"script": site.script.read_text(), "tres_per_node": "gres:gpu:a100:4",
+                                           "partition": "debug", "time_limit": 720, "user_name": "root",
+                                           "user_id": 0, "name": "resnet.sh"})
+        assert expected and expected["apply"].get("tres_per_node", "gpu:a100:4") != "gpu:a100:4", expected
+        got, _ = sbatch(site, "-p", "debug", "--gres=gpu:a100:4")
+        assert got == {"TresPerNode": expected["apply"]["tres_per_node"], "Partition": "debug"}
+        elsewhere, _ = sbatch(site, "-p", "gpu", "--gres=gpu:a100:4")  # not a covered partition
+        assert elsewhere["TresPerNode"] == "gpu:a100:4"
+        assert requests(site.socket) == 2  # the ask above and the debug job
+    log = log_since(offset)
+    assert f"job resnet.sh of root changed: tres_per_node gres:gpu:a100:4 -> gres:{got['TresPerNode']}" in log
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("export", [[], ["--export=NONE"]], ids=["export-all", "export-none"])
+def test_a_job_gsbatch_decided_is_not_decided_twice(site: Site, export: list[str]) -> None:
+    with site_daemon(site):
+        got, _ = sbatch(site, "-p", "debug", "--gres=gpu:a100:4", *export, env={"SLURMGPU_DECIDED": "1"})
+        assert got["TresPerNode"] == "gpu:a100:4"
+        assert requests(site.socket) == 0
+
+
+def submit_batch(site: Site) -> tuple[list[float], float]:
+    """BATCH submissions to the covered partition, while another thread times squeue."""
+    probes: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, timeout=60, check=True)
+            probes.append(time.monotonic() - t0)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    times = []
+    try:
+        for _ in range(BATCH):
+            got, took = sbatch(site, "-p", "debug", "--gres=gpu:a100:4")
+            assert got == {"TresPerNode": "gpu:a100:4", "Partition": "debug"}
+            times.append(took)
+    finally:
+        done.set()
+        thread.join()
+    return times, max(probes)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("kind", ["stopped", "hung", "garbage"])
+def test_jobs_are_accepted_unchanged_and_slurmctld_stays_responsive(site: Site, kind: str) -> None:
+    if kind == "stopped":
+        times, squeue_max = submit_batch(site)
+    else:
+        with stand_in(site.socket, kind):
+            times, squeue_max = submit_batch(site)
+    slowest = TIMEOUT_S + 1.0  # the hook's bound plus sbatch itself on a busy 2-core machine
+    assert max(times) < slowest and squeue_max < slowest, (kind, times, squeue_max)
+    if kind == "hung":
+        assert statistics.median(times) >= TIMEOUT_S  # each job waited out the timeout, no longer
+    else:
+        assert sum(times) < BATCH * TIMEOUT_S  # a dead or garbled daemon is noticed at once
+    print(f"\n{kind}: {BATCH} sbatch in {sum(times):.2f} s (median {statistics.median(times) * 1000:.0f} ms, "
+          f"max {max(times) * 1000:.0f} ms); slowest squeue meanwhile {squeue_max * 1000:.0f} ms")
