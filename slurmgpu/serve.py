@@ -62,6 +62,11 @@ from slurmgpu import __version__
 from slurmgpu.config import Config
 from slurmgpu.errors import InputError
 from slurmgpu.models import Bundle  # imported here, as root: after --run-as the install may be unreadable
+
+try:  # a long-running daemon can afford numpy: it evaluates all candidate types in one pass
+    import numpy  # noqa: F401
+except ImportError:  # pragma: no cover - numpy ships with the training extra
+    pass
 from slurmgpu.policy import Decider, Decision, KeepDecider, make_decider
 from slurmgpu.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.rewrite import RewriteError, _new_gpu_value, describe
