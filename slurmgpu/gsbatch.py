@@ -176,10 +176,61 @@ def model_path(config: Config | None, env: Mapping[str, str]) -> str:
                               or os.path.join(os.path.dirname(PERSONAL_SPOOL), "model.json"))
 
 
+_TRES_FIELD = {"gres": "tres_per_node", "gpus-per-node": "tres_per_node", "gpus": "tres_per_job",
+               "gpus-per-task": "tres_per_task", "gpus-per-socket": "tres_per_socket"}
+
+
+def daemon_job(request: JobRequest, user: str | None) -> dict[str, Any]:
+    """The job as slurmctld's job_submit.lua would describe it to the daemon."""
+    comp = request.main
+    job: dict[str, Any] = {"script": request.script.text if request.script else None, "user_name": user,
+                           "partition": comp.partition, "account": comp.account, "qos": comp.qos,
+                           "num_tasks": comp.ntasks, "ntasks_per_node": comp.ntasks_per_node,
+                           "cpus_per_task": comp.cpus_per_task, "sockets_per_node": comp.sockets_per_node,
+                           "time_limit": comp.time_limit_s // 60 if comp.time_limit_s else None,
+                           "min_nodes": comp.nodes if comp.nodes_set else None,
+                           "features": comp.options["constraint"].value if "constraint" in comp.options else None}
+    for ask in comp.gpus:
+        job[_TRES_FIELD[ask.option]] = f"gres:gpu:{ask.type + ':' if ask.type else ''}{ask.count}"
+    return {k: v for k, v in job.items() if v is not None}
+
+
+class DaemonDecider:
+    """Asks ``slurmgpu serve`` (model and config already loaded there); falls back to deciding
+    in this process when the daemon does not answer in time."""
+
+    name = "daemon"
+
+    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = 0.5) -> None:
+        self.socket_path, self.user, self.fallback, self.timeout_s = socket_path, user, fallback, timeout_s
+
+    def decide(self, request: JobRequest) -> Decision:
+        from slurmgpu.daemon_client import ask
+        from slurmgpu.policy import Candidate, ComponentChange
+
+        answer = ask(self.socket_path, daemon_job(request, self.user), self.timeout_s)
+        if answer is None or request.is_hetjob:
+            return self.fallback().decide(request)
+        return Decision(tuple(ComponentChange(**c) for c in answer.get("changes", [])), tuple(answer["reasons"]),
+                        answer.get("refused"), answer.get("decider", "model"),
+                        tuple(Candidate(**c) for c in answer.get("per_type", [])))
+
+
 def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
-    """The configured decider; a model that cannot be used leaves the request as written."""
+    """The configured decider: the daemon when its socket is there (the fast path), else the
+    model in this process; a model that cannot be used leaves the request as written."""
     if config is None or config.policy.decider != "model":
         return make_decider(config)
+    from slurmgpu.daemon_client import DEFAULT_SOCKET
+
+    user = env.get("USER") or env.get("LOGNAME")
+    socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
+    if os.path.exists(socket_path):
+        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user))
+    return local_decider(config, backend, env, user)
+
+
+def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str], user: str | None) -> Decider:
     from slurmgpu.models import Bundle
 
     path = model_path(config, env)
@@ -188,7 +239,6 @@ def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str,
     except (OSError, ValueError, KeyError, TypeError) as exc:
         _note(sys.stderr, "warning", f"model {path} unusable ({exc}); request kept as written")
         return KeepDecider("model unusable")
-    user = env.get("USER") or env.get("LOGNAME")
     return make_decider(config, bundle, cached_free_gpus(backend, env), user)
 
 

@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 
 from slurmgpu import __version__
 from slurmgpu.config import Config
+from slurmgpu.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, call  # noqa: F401 - re-exported
 from slurmgpu.errors import InputError
 from slurmgpu.models import Bundle  # imported here, as root: after --run-as the install may be unreadable
 
@@ -72,8 +73,6 @@ from slurmgpu.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.script import encode, parse_script
 
-DEFAULT_SOCKET = "/run/slurmgpu/slurmgpu.sock"
-MAX_REQUEST_BYTES = 2 << 20  # the hook sends at most 256 KiB of script, escaped
 IDLE_TIMEOUT_S = 60.0
 FREE_GPUS_EVERY_S = 10.0
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
@@ -556,33 +555,3 @@ def run(server: Server, run_as: str | None = None) -> None:
         server.server_close()
 
 
-# --- the client ----------------------------------------------------------------------------------
-
-
-def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
-    """Send one request on a fresh connection; the reply, or None on any failure or timeout."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(socket_path)
-            sock.sendall(json.dumps(message, separators=(",", ":")).encode("utf-8", "surrogateescape") + b"\n")
-            data = b""
-            while not data.endswith(b"\n") and len(data) <= MAX_REQUEST_BYTES:
-                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        reply = json.loads(data)
-    except (OSError, ValueError):
-        return None
-    return reply if isinstance(reply, dict) else None
-
-
-def ask(socket_path: str, job: Mapping[str, Any], timeout_s: float = 0.2) -> dict[str, Any] | None:
-    """The daemon's decision for a job (see the module docstring), or None when it cannot say."""
-    reply = call(socket_path, {"op": "decide", "job": dict(job)}, timeout_s)
-    if reply and reply.get("ok") and isinstance(reply.get("decision"), dict):
-        return reply["decision"]
-    return None

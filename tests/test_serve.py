@@ -407,3 +407,36 @@ def test_ask_gives_none_when_nobody_answers(sock: str) -> None:
         assert time.monotonic() - t0 < 1.0
     finally:
         listener.close()
+
+
+def test_gsbatch_takes_the_daemon_fast_path_and_falls_back_without_it(sock: str, model_config: Config,
+                                                                      bundle: Bundle, tmp_path: Path) -> None:
+    """With the socket there, gsbatch's decision comes from the daemon; without an answer, from
+    the model in its own process — and both decide the same."""
+    from test_gsbatch import Recorder
+    from test_models import script_for
+
+    from slurmgpu import gsbatch
+
+    model = tmp_path / "model.json"
+    bundle.save(str(model))
+    config = tmp_path / "slurmgpu.toml"
+    config.write_text(SAMPLE.read_text().replace('decider = "rules"', 'decider = "model"', 1))
+    script = tmp_path / "job.sh"
+    script.write_text(script_for("resnet", 16, 1000, "a100"))
+    env = {"SLURMGPU_CONFIG": str(config), "SLURMGPU_MODEL": str(model), "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path),
+           "SLURMGPU_SOCKET": sock, "USER": "ann", "XDG_CACHE_HOME": str(tmp_path)}
+    loaded = load_config(config)
+    service = serve.Service(loaded, str(model), free_gpus=lambda: BUSY_A100)
+    with daemon(sock, service):
+        assert isinstance(gsbatch.site_decider(loaded, Recorder(), env), gsbatch.DaemonDecider)
+        request = build_request(parse_script(script.read_bytes(), str(script)), [], {}, loaded.gpu_features())
+        via_daemon = gsbatch.site_decider(loaded, Recorder(), env).decide(request)
+        assert service.count == 1
+    local = ModelDecider(loaded, bundle, lambda: BUSY_A100, "ann").decide(request)
+    assert via_daemon.changes == local.changes and via_daemon.changed
+    assert [c.gpu_type for c in via_daemon.per_type] == [c.gpu_type for c in local.per_type]
+    # The daemon is gone but its socket path lingers: gsbatch decides in-process instead.
+    open(sock, "w").close()
+    fallback = gsbatch.site_decider(loaded, Recorder(), env).decide(request)
+    assert fallback.decider == "model" and fallback.per_type
