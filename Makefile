@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install demo test test-unit bench lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install demo test test-unit bench evaluate replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,15 @@ bench: install cluster-up
 	$(PY) benchmarks/bench_ingest.py
 	$(PY) benchmarks/bench_serve.py
 	$(PY) benchmarks/bench_model.py
+	$(PY) benchmarks/bench_workload.py
+
+# Policies side by side on a generated ~50k-job workload, simulated (results and plots in scenario-report/).
+evaluate: install
+	$(VENV)/bin/slurmgpu scenario --report-dir scenario-report
+
+# A small generated workload submitted through gsbatch to the local cluster, then checked against the simulator.
+replay: install cluster-up
+	$(PY) -m slurmgpu.replay
 
 lint: install
 	$(VENV)/bin/ruff check slurmgpu tests benchmarks

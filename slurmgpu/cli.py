@@ -522,10 +522,12 @@ def demo_cmd() -> None:
 
 
 from slurmgpu.cli_report import doctor_cmd, report_cmd  # noqa: E402 - they use the helpers above
+from slurmgpu.cli_scenario import scenario_cmd  # noqa: E402
 from slurmgpu.cli_serve import lua_group, render_serve_cmd, serve_cmd  # noqa: E402
 from slurmgpu.cli_workload import history_group, workload_group  # noqa: E402
 
 main.add_command(serve_cmd)
+main.add_command(scenario_cmd)
 main.add_command(lua_group)
 render_group.add_command(render_serve_cmd)
 main.add_command(report_cmd)

@@ -211,9 +211,10 @@ class ModelDecider:
                                     "request kept", per_type)
         baseline = min(asked, key=lambda c: c.expected_wait_s + c.pred_runtime_s)
         choices = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
-        choices = [c for c in choices if c is not None]
+        choices = [c for c in choices if c is not None and self._in_time(c, baseline, comp.time_limit_s)]
         if not choices:
-            return self._keep(rule, "model: no candidate type fits the predicted memory; request kept", per_type)
+            return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
+                                    "request kept", per_type)
         best = min(choices, key=lambda c: self._score(c, baseline))
         gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline)
         if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
@@ -236,6 +237,12 @@ class ModelDecider:
                f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
                f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits")
         return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
+
+    def _in_time(self, c: Candidate, baseline: Candidate, limit_s: int | None) -> bool:
+        """A change must not push the job past its own time limit (it would be killed)."""
+        if limit_s is None or c == baseline:
+            return True
+        return c.pred_runtime_s * self.config.policy.scaling_factor <= limit_s
 
     def _mem_gib(self, gtype: str | None) -> float:
         t = self.config.gpu_types.get(gtype or "")
