@@ -159,6 +159,7 @@ class ModelDecider:
 
     name = "model"
     busy_wait_s = 1800.0  # assumed wait when a type has too few idle GPUs right now
+    unseen_penalty = 1.3  # memory and runtime on a type or count the job family has never run on
 
     def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
                  user: str | None = None) -> None:
@@ -201,9 +202,14 @@ class ModelDecider:
                 counts = range(1, min(req_total, part.gpus_per_node) + 1) if comp.nodes == 1 else [req_total]
                 options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history, self.user)) for c in counts)
         preds = self.bundle.predict_many([f for _, _, f in options], sf["family"])
-        table = [Candidate(gt.name, c, pred.peak_mem_mib * (1 + policy.memory_margin) <= gt.memory_gib * 1024,
-                           pred.peak_mem_mib, pred.runtime_s, 0.0 if free.get(gt.name, 0) >= c else self.busy_wait_s)
-                 for (gt, c, _), pred in zip(options, preds, strict=True)]
+        # A type or count the family never ran on is a prediction from other families: doubt it more.
+        seen = set(self.bundle.history.family(sf["family"]).get("shapes", ())) | {f"{req_total}x{req_type}"}
+        table = []
+        for (gt, c, _), pred in zip(options, preds, strict=True):
+            doubt = 1.0 if f"{c}x{gt.name}" in seen else self.unseen_penalty
+            peak, runtime = pred.peak_mem_mib * doubt, pred.runtime_s * doubt
+            table.append(Candidate(gt.name, c, peak * (1 + policy.memory_margin) <= gt.memory_gib * 1024, peak,
+                                   runtime, 0.0 if free.get(gt.name, 0) >= c else self.busy_wait_s))
         per_type = tuple(table)
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
         if not asked:

@@ -82,7 +82,8 @@ class _Running:
         n, m = s["n"], s["m"]
         view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
-                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"]}
+                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
+                "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:"))}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
             b = (s["tp"] - s["t"] * s["p"] / m) / var
@@ -104,6 +105,7 @@ class _Running:
         s = self.fam.setdefault(key, dict.fromkeys(("n", "m", "oom", "lpmax", "ltmax", "lpsum", "t", "p", "tt",
                                                     "tp", "tmin", "pmin"), 0.0))
         s["n"] += 1
+        s[f"shape:{row['gpus']}x{row['gpu_type']}"] = 1.0  # the GPU counts and types it ran on
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
         elif row["peak"]:
