@@ -159,7 +159,7 @@ class ModelDecider:
 
     name = "model"
     busy_wait_s = 1800.0  # assumed wait when a type has too few idle GPUs right now
-    unseen_penalty = 1.3  # memory and runtime on a type or count the job family has never run on
+    unseen_penalty = 1.6  # memory and runtime on a type or count the job family has never run on
 
     def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
                  user: str | None = None) -> None:
