@@ -176,11 +176,15 @@ def db_group() -> None:
 @click.pass_context
 def db_upgrade(ctx: click.Context, revision: str) -> None:
     """Apply migrations up to REVISION (creates the database schema on first use)."""
+    _migrate(ctx, "upgrade", revision)
+
+
+def _migrate(ctx: click.Context, direction: str, revision: str) -> None:
     from slurmgpu import db
 
     url = _db_url(ctx)
-    db.upgrade(url, revision)
-    click.echo(f"{_safe(url)}: at revision {db.current_revision(url)}")
+    getattr(db, direction)(url, revision)
+    click.echo(f"{_safe(url)}: at revision {db.current_revision(url) or 'base'}")
 
 
 @db_group.command("downgrade")
@@ -188,11 +192,7 @@ def db_upgrade(ctx: click.Context, revision: str) -> None:
 @click.pass_context
 def db_downgrade(ctx: click.Context, revision: str) -> None:
     """Revert migrations down to REVISION ('base' drops every slurmgpu table)."""
-    from slurmgpu import db
-
-    url = _db_url(ctx)
-    db.downgrade(url, revision)
-    click.echo(f"{_safe(url)}: at revision {db.current_revision(url) or 'base'}")
+    _migrate(ctx, "downgrade", revision)
 
 
 @db_group.command("current")
