@@ -61,3 +61,14 @@ def test_config_check_offline_and_bad(tmp_path: Path, sample_config: Path) -> No
     bad.write_text("[gpu_types.a100]\nmemory_gib = 0\n")
     res = sh(str(BIN / "slurmgpu"), "--config", str(bad), "config", "check", "--offline")
     assert res.returncode == 1 and res.stderr.strip().endswith("gpu_types.a100.memory_gib: must be > 0, got 0")
+
+
+def test_db_commands(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    current = sh(str(BIN / "slurmgpu"), "--db", url, "db", "current")
+    assert current.returncode == 1 and "at revision none" in current.stdout
+    assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "upgrade").stdout.strip().endswith("at revision 0001")
+    assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "current").returncode == 0
+    assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "downgrade").stdout.strip().endswith("at revision base")
+    jobs = sh(str(BIN / "slurmgpu"), "--db", url, "jobs", "--json")
+    assert jobs.returncode == 1 and "run `slurmgpu db upgrade`" in jobs.stderr and "Traceback" not in jobs.stderr
