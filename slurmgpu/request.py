@@ -119,7 +119,8 @@ class ComponentRequest(NamedTuple):
             return self.ntasks_per_node * self.nodes
         return self.nodes
 
-    def _multiplier(self, per: Per) -> int:
+    def multiplier(self, per: Per) -> int:
+        """How many units a per-job/node/task/socket GPU count is multiplied by."""
         if per == "job":
             return 1
         if per == "node":
@@ -131,7 +132,7 @@ class ComponentRequest(NamedTuple):
     @property
     def gpus_total(self) -> int:
         """GPUs for the whole component (per-node counts times the minimum node count)."""
-        return sum(g.count * self._multiplier(g.per) for g in self.gpus)
+        return sum(g.count * self.multiplier(g.per) for g in self.gpus)
 
     @property
     def gpus_per_node(self) -> int | None:
@@ -147,7 +148,7 @@ class ComponentRequest(NamedTuple):
             elif g.per == "task" and (self.ntasks_per_node is not None or self.ntasks is None):
                 total += g.count * (self.ntasks_per_node or 1)  # one task per node unless told
             elif self.nodes == 1 and self.nodes_max in (None, 1):
-                total += g.count * self._multiplier(g.per)
+                total += g.count * self.multiplier(g.per)
             else:
                 return None
         return total

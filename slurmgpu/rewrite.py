@@ -84,21 +84,13 @@ def _ask_text(g: GpuAsk) -> str:
     return f"--{g.option}={'gpu:' if g.option == 'gres' else ''}{kind}{g.count}"
 
 
-def _unit(comp: ComponentRequest, ask: GpuAsk) -> int:
-    if ask.per == "job":
-        return 1
-    if ask.per == "node":
-        return comp.nodes
-    return comp._multiplier(ask.per)
-
-
 def _new_gpu_value(comp: ComponentRequest, change: ComponentChange) -> tuple[GpuAsk, str]:
     """The new value for the component's GPU option, in the unit the user chose."""
     ask = comp.gpus[0]
     if len({g.option for g in comp.gpus}) > 1:
         raise RewriteError("GPUs requested through several options; not rewritten")
     total = change.gpus_total if change.gpus_total is not None else comp.gpus_total
-    unit = _unit(comp, ask)
+    unit = comp.multiplier(ask.per)
     if total % unit:
         raise RewriteError(f"{total} GPUs cannot be split evenly over {unit} {ask.per}s")
     count = total // unit
