@@ -51,6 +51,9 @@ _FLAGS = {
     "ckpt": ("--gradient-checkpointing", "--gradient_checkpointing", "--activation-checkpointing"),
     "int8": ("--load_in_8bit", "--load-in-8bit", "--8bit", "--load_in_4bit", "--load-in-4bit", "--qlora"),
 }
+# What script_features measures that the models read as numbers.
+SCRIPT_NUMERIC = ("params_b", "log_tokens", "batch_size", "seq_len", "precision_bits", "lora", "ckpt", "zero",
+                  "int8", "nproc", "log_steps")
 NUMERIC = ("req_gpus", "req_gpu_mem_gib", "gpus", "gpu_mem_gib", "gpu_speed", "params_b", "log_tokens",
            "batch_size", "seq_len", "precision_bits", "lora", "ckpt", "zero", "int8", "nproc", "log_steps",
            "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate",
@@ -184,17 +187,7 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "gpus": float(gpus),
         "gpu_mem_gib": float(gpu["memory_gib"]),
         "gpu_speed": float(gpu["relative_speed"]),
-        "params_b": float(script_feats["params_b"]),
-        "log_tokens": float(script_feats["log_tokens"]),
-        "batch_size": float(script_feats["batch_size"]),
-        "seq_len": float(script_feats["seq_len"]),
-        "precision_bits": float(script_feats["precision_bits"]),
-        "lora": float(script_feats["lora"]),
-        "ckpt": float(script_feats["ckpt"]),
-        "zero": float(script_feats["zero"]),
-        "int8": float(script_feats["int8"]),
-        "nproc": float(script_feats["nproc"]),
-        "log_steps": float(script_feats["log_steps"]),
+        **{name: float(script_feats[name]) for name in SCRIPT_NUMERIC},
         "fam_n": float(fam.get("n", 0.0)),
         "fam_log_peak_max": float(fam.get("log_peak_max", 0.0)),
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
