@@ -214,67 +214,67 @@ def read_submission(path: str) -> dict[str, Any]:
     }
 
 
-def load_submissions(engine: Engine, directory: str, report: Report | None = None) -> Report:
-    """Load every finished record in the spool, then remove it; bad ones are set aside."""
-    report = report or Report()
+def drain_spool(engine: Engine, directory: str, wanted: Callable[[str], bool],
+                read: Callable[[str], dict[str, Any]], store: Callable[[Connection, list[dict[str, Any]]], None],
+                report: Report) -> Report:
+    """Read every finished record in a spool, store them in one transaction, then remove them;
+    a record that cannot be read is renamed ``*.rejected`` and reported."""
     if not os.path.isdir(directory):
         return report
-    names = sorted(n for n in os.listdir(directory) if n.startswith("sub-") and n.endswith(".json"))
     rows, paths = [], []
-    for name in names:
+    for name in sorted(n for n in os.listdir(directory) if wanted(n)):
         path = os.path.join(directory, name)
         try:
-            rows.append(read_submission(path))
+            rows.append(read(path))
             paths.append(path)
         except (OSError, ValueError, TypeError, KeyError) as exc:
-            report.files_rejected.append(f"{path}: {exc}")
+            report.files_rejected.append(str(exc) if str(exc).startswith(path) else f"{path}: {exc}")
             os.replace(path, path + ".rejected")
     if rows:
         with engine.begin() as conn:
-            known = set(conn.execute(select(Submission.record_id).where(
-                Submission.record_id.in_([r["record_id"] for r in rows]))).scalars())
-            new = [r for r in rows if r["record_id"] not in known]
-            if new:
-                conn.execute(Submission.__table__.insert(), new)
+            store(conn, rows)
         report.files_loaded += len(rows)
         for path in paths:
             os.unlink(path)
     return report
+
+
+def _store_submissions(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    known = set(conn.execute(select(Submission.record_id).where(
+        Submission.record_id.in_([r["record_id"] for r in rows]))).scalars())
+    new = [r for r in rows if r["record_id"] not in known]
+    if new:
+        conn.execute(Submission.__table__.insert(), new)
+
+
+def load_submissions(engine: Engine, directory: str, report: Report | None = None) -> Report:
+    """Load gsbatch's submission records (once each, by record id)."""
+    return drain_spool(engine, directory, lambda n: n.startswith("sub-") and n.endswith(".json"),
+                       read_submission, _store_submissions, report or Report())
 
 
 # --- GPU collector records ------------------------------------------------------------------
 
 
-def load_gpu_records(engine: Engine, directory: str, report: Report | None = None) -> Report:
-    """Load slurmgpu-monitor's per-job records, then remove them; bad ones are set aside."""
+def _gpu_row(path: str) -> dict[str, Any]:
     from slurmgpu.monitor import read_record
 
-    report = report or Report()
-    if not os.path.isdir(directory):
-        return report
-    rows, paths = [], []
-    for name in sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith(".")):
-        path = os.path.join(directory, name)
-        try:
-            rec = read_record(path)
-        except (OSError, ValueError) as exc:
-            report.files_rejected.append(str(exc) if str(exc).startswith(path) else f"{path}: {exc}")
-            os.replace(path, path + ".rejected")
-            continue
-        rows.append({
-            "cluster": rec.cluster, "job_id": rec.job_id, "hostname": rec.hostname, "source": rec.source,
-            "gpus": len(rec.gpus), "peak_mem_mib": rec.peak_gpu_mem_mib,
-            "peak_proc_mem_mib": max((g.peak_proc_mem_mib for g in rec.gpus if g.peak_proc_mem_mib is not None),
-                                     default=None),
-            "mean_util": rec.mean_gpu_util, "max_util": rec.max_gpu_util, "samples": rec.samples,
-            "start_time": rec.start.replace(tzinfo=None), "end_time": rec.end.replace(tzinfo=None),
-            "detail": [g._asdict() for g in rec.gpus],
-        })
-        paths.append(path)
-    if rows:
-        with engine.begin() as conn:
-            upsert(conn, GpuUsage.__table__, rows, ("cluster", "job_id", "hostname", "source"))  # type: ignore[arg-type]
-        report.files_loaded += len(rows)
-        for path in paths:
-            os.unlink(path)
-    return report
+    rec = read_record(path)
+    return {
+        "cluster": rec.cluster, "job_id": rec.job_id, "hostname": rec.hostname, "source": rec.source,
+        "gpus": len(rec.gpus), "peak_mem_mib": rec.peak_gpu_mem_mib,
+        "peak_proc_mem_mib": max((g.peak_proc_mem_mib for g in rec.gpus if g.peak_proc_mem_mib is not None),
+                                 default=None),
+        "mean_util": rec.mean_gpu_util, "max_util": rec.max_gpu_util, "samples": rec.samples,
+        "start_time": rec.start.replace(tzinfo=None), "end_time": rec.end.replace(tzinfo=None),
+        "detail": [g._asdict() for g in rec.gpus],
+    }
+
+
+def load_gpu_records(engine: Engine, directory: str, report: Report | None = None) -> Report:
+    """Load slurmgpu-monitor's per-job records (a host's record for a job replaces its older one)."""
+    def store(conn: Connection, rows: list[dict[str, Any]]) -> None:
+        upsert(conn, GpuUsage.__table__, rows, ("cluster", "job_id", "hostname", "source"))  # type: ignore[arg-type]
+
+    return drain_spool(engine, directory, lambda n: n.endswith(".json") and not n.startswith("."), _gpu_row,
+                       store, report or Report())
