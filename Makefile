@@ -38,7 +38,7 @@ evaluate: install
 
 # A small generated workload submitted through gsbatch to the local cluster, then checked against the simulator.
 replay: install cluster-up
-	$(PY) -m slurmgpu.replay
+	$(PY) -m slurmgpu.simulation.replay
 
 lint: install
 	$(VENV)/bin/ruff check slurmgpu tests benchmarks

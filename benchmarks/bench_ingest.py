@@ -46,7 +46,7 @@ def write_dump(path: Path, rows: int) -> None:
 
 
 def main(rows: int) -> dict[str, float]:
-    fields = ",".join(__import__("slurmgpu.sacct", fromlist=["FIELDS"]).FIELDS)
+    fields = ",".join(__import__("slurmgpu.slurm.sacct", fromlist=["FIELDS"]).FIELDS)
     with tempfile.TemporaryDirectory() as tmp:
         dump, db = Path(tmp) / "dump.txt", f"sqlite:///{tmp}/bench.db"
         write_dump(dump, rows)

@@ -24,8 +24,8 @@ BIN = Path(sys.executable).parent
 
 
 def rows_for(n: int, seed: int = 3) -> list[dict]:
-    from slurmgpu.features import script_features
-    from slurmgpu.workload import LARGE_CLUSTER, generate, simulate
+    from slurmgpu.pipeline.features import script_features
+    from slurmgpu.simulation.workload import LARGE_CLUSTER, generate, simulate
 
     jobs = generate(LARGE_CLUSTER, datetime(2026, 1, 1), 3650, seed, jobs_per_day=n / 3650 * 1.02)[:n]
     features: dict[str, dict] = {}  # array tasks share a script
@@ -41,7 +41,7 @@ def rows_for(n: int, seed: int = 3) -> list[dict]:
 
 
 def bench_training(n: int, config) -> dict:
-    from slurmgpu import train
+    from slurmgpu.learning import train
 
     t0 = time.perf_counter()
     rows = rows_for(n)
@@ -53,9 +53,9 @@ def bench_training(n: int, config) -> dict:
 
 
 def bench_latency(bundle, config, script: Path, model_path: Path, runs: int = 30) -> dict:
-    from slurmgpu.policy import ModelDecider
-    from slurmgpu.request import build_request
-    from slurmgpu.script import read_script
+    from slurmgpu.pipeline.policy import ModelDecider
+    from slurmgpu.pipeline.request import build_request
+    from slurmgpu.pipeline.script import read_script
 
     decider = ModelDecider(config, bundle, lambda: {"a100": 8, "v100": 8, "t4": 8}, "u")
     request = build_request(read_script(str(script)), [], {}, config.gpu_features())
@@ -87,8 +87,8 @@ def _time(argv: list[str]) -> float:
 
 
 def main() -> None:
-    from slurmgpu.config import load_config
-    from slurmgpu.workload import LARGE_CLUSTER, generate
+    from slurmgpu.pipeline.config import load_config
+    from slurmgpu.simulation.workload import LARGE_CLUSTER, generate
 
     base = load_config(ROOT / "contrib" / "slurmgpu.toml")
     config = base._replace(policy=base.policy._replace(decider="model"))

@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_models import FAMILIES, history, script_for  # noqa: E402
 
-from slurmgpu import serve, train  # noqa: E402
-from slurmgpu.config import load_config  # noqa: E402
+from slurmgpu.apps import serve  # noqa: E402
+from slurmgpu.learning import train  # noqa: E402
+from slurmgpu.pipeline.config import load_config  # noqa: E402
 
 
 def jobs() -> list[dict]:

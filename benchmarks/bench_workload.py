@@ -19,9 +19,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from slurmgpu.scenario import honour, sim_cluster, sim_jobs
-from slurmgpu.simulate import simulate, summarize
-from slurmgpu.workload import LARGE_CLUSTER, ClusterSpec, generate
+from slurmgpu.simulation.scenario import honour, sim_cluster, sim_jobs
+from slurmgpu.simulation.simulator import simulate, summarize
+from slurmgpu.simulation.workload import LARGE_CLUSTER, ClusterSpec, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE = 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from slurmgpu.db import Base, make_engine
+from slurmgpu.history.db import Base, make_engine
 
 config = context.config
 

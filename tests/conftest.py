@@ -61,7 +61,7 @@ def _require(condition_missing: str | None) -> None:
 @pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A freshly migrated, empty database on each backend slurmgpu supports."""
-    from slurmgpu import db
+    from slurmgpu.history import db
 
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'history.db'}"

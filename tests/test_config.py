@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu.cli import compare_with_cluster
-from slurmgpu.config import load_config
-from slurmgpu.errors import ConfigError
-from slurmgpu.slurm import NodeInfo, parse_gres
+from slurmgpu.cli.main import compare_with_cluster
+from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.errors import ConfigError
+from slurmgpu.slurm.backend import NodeInfo, parse_gres
 
 BASE = """
 [gpu_types.a100]

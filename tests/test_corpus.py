@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu.errors import InputError
-from slurmgpu.request import build_request
-from slurmgpu.script import read_script
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import read_script
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 SCRIPTS = sorted(CORPUS.glob("*.sh"))

@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from slurmgpu import db, ingest, spool
-from slurmgpu.sacct import JobRecord, RowError
+from slurmgpu.history import db, ingest
+from slurmgpu.pipeline import spool
+from slurmgpu.slurm.sacct import JobRecord, RowError
 
 TABLES = {"jobs", "gpu_usage", "submissions", "model_versions", "ingest_state"}
 
@@ -105,7 +106,7 @@ def test_spool_record_is_written_atomically_and_private(tmp_path: Path) -> None:
 
 
 def test_collector_record_matches_array_task_by_raw_id(db_url: str) -> None:
-    from slurmgpu.history import job_rows
+    from slurmgpu.history.queries import job_rows
 
     engine = db.make_engine(db_url)
     ingest.load_jobs(engine, [job("5_1", job_id_raw=6, array_job_id=5, array_task_id=1), job("7", job_id_raw=7)])

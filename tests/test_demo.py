@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from slurmgpu import demo
-from slurmgpu.workload import DEFAULT_CLUSTER, fits
+from slurmgpu.apps import demo
+from slurmgpu.simulation.workload import DEFAULT_CLUSTER, fits
 
 
 @pytest.fixture(scope="module")

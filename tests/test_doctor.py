@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu import db, doctor
-from slurmgpu.cli import compare_with_cluster, main
-from slurmgpu.cli_report import doctor_cmd
-from slurmgpu.config import Config, load_config
-from slurmgpu.doctor import FAIL, OK, WARN
-from slurmgpu.slurm import NodeInfo, SlurmError
+from slurmgpu.apps import doctor
+from slurmgpu.apps.doctor import FAIL, OK, WARN
+from slurmgpu.cli.main import compare_with_cluster, main
+from slurmgpu.cli.report import doctor_cmd
+from slurmgpu.history import db
+from slurmgpu.pipeline.config import Config, load_config
+from slurmgpu.slurm.backend import NodeInfo, SlurmError
 
 SAMPLE = Path(__file__).resolve().parent.parent / "contrib" / "slurmgpu.toml"
 NOW = datetime(2026, 6, 1, 12, 0)

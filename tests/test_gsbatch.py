@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu import gsbatch
-from slurmgpu.config import load_config
-from slurmgpu.policy import Decision
-from slurmgpu.slurm import Submitted
+from slurmgpu.apps import gsbatch
+from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.policy import Decision
+from slurmgpu.slurm.backend import Submitted
 
 
 class Recorder:

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
-from slurmgpu import db
-from slurmgpu.cli_workload import history_group
-from slurmgpu.history import job_rows
-from slurmgpu.history_import import import_history
+from slurmgpu.cli.workload import history_group
+from slurmgpu.history import db
+from slurmgpu.history.imports import import_history
+from slurmgpu.history.queries import job_rows
 
 CSV = Path(__file__).resolve().parent / "fixtures" / "workload" / "history.csv"
 GOOD = ["5001", "5002", "5003", "5007_3", "5011", "5013"]

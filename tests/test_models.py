@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu import train
-from slurmgpu.config import load_config
-from slurmgpu.features import script_features
-from slurmgpu.gsbatch import site_decider
-from slurmgpu.models import Bundle, TreeEnsemble
-from slurmgpu.policy import KeepDecider, ModelDecider
-from slurmgpu.request import build_request
-from slurmgpu.script import parse_script
+from slurmgpu.apps.gsbatch import site_decider
+from slurmgpu.learning import train
+from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
+from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.policy import KeepDecider, ModelDecider
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import parse_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = {"a100": 1.0, "v100": 0.45, "t4": 0.15}
@@ -101,7 +101,7 @@ def test_held_out_targets(trained, config) -> None:
 
 def _predicted_peak(bundle: Bundle, config, text: str, gtype: str = "a100") -> float:
     sf = script_features(text)
-    from slurmgpu.features import job_features
+    from slurmgpu.pipeline.features import job_features
 
     gt = config.gpu_types[gtype]
     f = job_features(sf, {"gpus_total": 1}, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, 1,

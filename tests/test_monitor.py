@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu import monitor
-from slurmgpu.monitor import (
+from slurmgpu.collector import monitor
+from slurmgpu.collector.monitor import (
     Collector,
     DeviceInfo,
     GpuRecord,
@@ -494,8 +494,9 @@ def test_stop_signals_the_collector_and_waits_for_its_record(tmp_path: Path) -> 
     spool, run_dir = tmp_path / "spool", tmp_path / "run"
     spool.mkdir()
     run_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "slurmgpu.monitor", "run", "--job-id", "9", "--spool", str(spool),
-                             "--run-dir", str(run_dir), "--recorded", str(long), "--interval", "0.01"])
+    proc = subprocess.Popen([sys.executable, "-m", "slurmgpu.collector.monitor", "run", "--job-id", "9",
+                             "--spool", str(spool), "--run-dir", str(run_dir), "--recorded", str(long),
+                             "--interval", "0.01"])
     try:
         wait_for(run_dir / "9.pid")
         assert main(["stop", "--job-id", "9", "--run-dir", str(run_dir), "--wait", "10"]) == 0
@@ -533,7 +534,7 @@ def test_prolog_starts_and_epilog_stops_the_collector(tmp_path: Path) -> None:
     long = write_trace(tmp_path / "long.json", 5000)
     wrapper = tmp_path / "monitor"  # the real CLI, fed a trace instead of NVML
     wrapper.write_text(f'#!/bin/sh\ncase "$1" in run) set -- "$@" --recorded {long} --interval 0.01;; esac\n'
-                       f'exec {sys.executable} -m slurmgpu.monitor "$@"\n')
+                       f'exec {sys.executable} -m slurmgpu.collector.monitor "$@"\n')
     wrapper.chmod(0o755)
     env_file = tmp_path / "monitor.env"
     env_file.write_text(f"SLURMGPU_MONITOR_BIN={wrapper}\nSLURMGPU_MONITOR_SPOOL={spool}\n"

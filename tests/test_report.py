@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu import db, report
-from slurmgpu.cli import main
-from slurmgpu.cli_report import report_cmd
-from slurmgpu.db import GpuUsage, Job, Submission
+from slurmgpu.cli.main import main
+from slurmgpu.cli.report import report_cmd
+from slurmgpu.history import db
+from slurmgpu.history.db import GpuUsage, Job, Submission
+from slurmgpu.reporting import report
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_CONFIG = ROOT / "contrib" / "slurmgpu.toml"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from slurmgpu.errors import InputError
-from slurmgpu.request import build_request, parse_time
-from slurmgpu.script import parse_script
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.request import build_request, parse_time
+from slurmgpu.pipeline.script import parse_script
 
 
 def req(body: str, cli: list[str] | None = None, env: dict[str, str] | None = None):

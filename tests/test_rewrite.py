@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurmgpu.policy import KEEP, ComponentChange, Decision
-from slurmgpu.request import GPU_OPTIONS, build_request
-from slurmgpu.rewrite import apply, sbatch_quote
-from slurmgpu.script import parse_script, tokenize
+from slurmgpu.pipeline.policy import KEEP, ComponentChange, Decision
+from slurmgpu.pipeline.request import GPU_OPTIONS, build_request
+from slurmgpu.pipeline.rewrite import apply, sbatch_quote
+from slurmgpu.pipeline.script import parse_script, tokenize
 
 GPU_OR_PARTITION = set(GPU_OPTIONS) | {"partition"}
 

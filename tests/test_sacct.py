@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu.sacct import (
+from slurmgpu.slurm.sacct import (
     FIELDS,
     JobRecord,
     RowError,

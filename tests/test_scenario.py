@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu import scenario
-from slurmgpu.features import script_features
-from slurmgpu.workload import LARGE_CLUSTER, fits, load_catalog
+from slurmgpu.pipeline.features import script_features
+from slurmgpu.simulation import scenario
+from slurmgpu.simulation.workload import LARGE_CLUSTER, fits, load_catalog
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -89,9 +89,9 @@ def test_report_files_are_well_formed(evaluation: scenario.Evaluation, report_di
 
 def test_decider_falls_back_to_the_rules_without_history() -> None:
     sc = scenario.SCENARIOS["small"]
-    from slurmgpu.request import build_request
-    from slurmgpu.script import parse_script
-    from slurmgpu.workload import generate
+    from slurmgpu.pipeline.request import build_request
+    from slurmgpu.pipeline.script import parse_script
+    from slurmgpu.simulation.workload import generate
 
     jobs = generate(sc.cluster, sc.start, 0.2, 3)
     config = scenario.scenario_config(sc.cluster)
@@ -117,7 +117,7 @@ def test_scenario_config_derives_speed_and_cost_from_the_catalog() -> None:
 
 
 def test_cli(tmp_path: Path) -> None:
-    from slurmgpu.cli_scenario import scenario_cmd
+    from slurmgpu.cli.scenario import scenario_cmd
 
     choices = next(p for p in scenario_cmd.params if p.name == "name").type.choices  # type: ignore[attr-defined]
     assert sorted(choices) == sorted(scenario.SCENARIOS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurmgpu.errors import InputError
-from slurmgpu.script import parse_script, read_script
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.script import parse_script, read_script
 
 
 def names(script: bytes) -> list[tuple[int, str, str | None]]:

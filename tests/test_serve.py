@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu import serve
-from slurmgpu.cli_serve import lua_group, lua_string, render_serve_cmd
-from slurmgpu.config import Config, load_config
-from slurmgpu.models import Bundle
-from slurmgpu.policy import ModelDecider
-from slurmgpu.request import build_request
-from slurmgpu.script import parse_script
+from slurmgpu.apps import serve
+from slurmgpu.cli.serve import lua_group, lua_string, render_serve_cmd
+from slurmgpu.pipeline.bundle import Bundle
+from slurmgpu.pipeline.config import Config, load_config
+from slurmgpu.pipeline.policy import ModelDecider
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import parse_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "contrib" / "slurmgpu.toml"
@@ -73,7 +73,7 @@ def quick_bundle(config: Config) -> Bundle:
     """A real bundle in a second or so: the synthetic history of the model tests, few trees."""
     from test_models import history
 
-    from slurmgpu import train
+    from slurmgpu.learning import train
 
     return train.fit(history(600), config, iterations=60)[0]
 
@@ -337,7 +337,7 @@ def test_only_the_group_root_and_slurmuser_get_answers(rules: Config, sock: str,
 
 
 def test_serve_command_drops_root_logs_decisions_and_stops_on_sigterm(sock: str) -> None:
-    program = ("from slurmgpu.cli import main; from slurmgpu.cli_serve import serve_cmd; "
+    program = ("from slurmgpu.cli.main import main; from slurmgpu.cli.serve import serve_cmd; "
                "main.add_command(serve_cmd); main()")
     proc = subprocess.Popen([sys.executable, "-c", program, "--config", str(SAMPLE), "serve", "--socket", sock,
                              "--group", "", "--slurm-user", "", "--run-as", "nobody"],
@@ -416,7 +416,7 @@ def test_gsbatch_takes_the_daemon_fast_path_and_falls_back_without_it(sock: str,
     from test_gsbatch import Recorder
     from test_models import script_for
 
-    from slurmgpu import gsbatch
+    from slurmgpu.apps import gsbatch
 
     model = tmp_path / "model.json"
     bundle.save(str(model))

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurmgpu.config import load_config, parse_config
-from slurmgpu.simulate import (
+from slurmgpu.pipeline.config import load_config, parse_config
+from slurmgpu.simulation.simulator import (
     BF_MAX_JOB_TEST,
     COMPLETED,
     OOM_AFTER_S,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu import slurm
+from slurmgpu.slurm import backend as slurm
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu import gsbatch
-from slurmgpu.policy import ComponentChange, Decision
-from slurmgpu.slurm import CliBackend
+from slurmgpu.apps import gsbatch
+from slurmgpu.pipeline.policy import ComponentChange, Decision
+from slurmgpu.slurm.backend import CliBackend
 
 pytestmark = pytest.mark.slurm
 BIN = Path(sys.executable).parent

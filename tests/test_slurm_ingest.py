@@ -121,7 +121,7 @@ def test_concurrent_gsbatch_submissions_lose_no_record(tmp_path: Path, sample_co
     assert list(spool.iterdir()) == []
     from sqlalchemy import select
 
-    from slurmgpu.db import Submission, make_engine
+    from slurmgpu.history.db import Submission, make_engine
 
     with make_engine(db).connect() as conn:
         rows = conn.execute(select(Submission.job_id, Submission.changed, Submission.decision)).all()

@@ -26,9 +26,9 @@ from click.testing import CliRunner
 from test_serve import BUSY_A100, SAMPLE, daemon, quick_bundle, socket_dir, with_model
 from test_slurm_gsbatch import job_info
 
-from slurmgpu import serve
-from slurmgpu.cli_serve import lua_group, lua_string
-from slurmgpu.config import Config, Partition, load_config
+from slurmgpu.apps import serve
+from slurmgpu.cli.serve import lua_group, lua_string
+from slurmgpu.pipeline.config import Config, Partition, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TRES = ("tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition")

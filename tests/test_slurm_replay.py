@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from slurmgpu import replay
-from slurmgpu.workload import fits
+from slurmgpu.simulation import replay
+from slurmgpu.simulation.workload import fits
 
 
 @pytest.fixture(scope="module")

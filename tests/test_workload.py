@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu import db, ingest, sacct
-from slurmgpu.cli_workload import workload_group
-from slurmgpu.config import load_config
-from slurmgpu.history import job_rows
-from slurmgpu.monitor import read_record, write_record
-from slurmgpu.request import build_request
-from slurmgpu.script import parse_script
-from slurmgpu.workload import (
+from slurmgpu.cli.workload import workload_group
+from slurmgpu.collector.monitor import read_record, write_record
+from slurmgpu.history import db, ingest
+from slurmgpu.history.queries import job_rows
+from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import parse_script
+from slurmgpu.simulation.workload import (
     DEFAULT_CLUSTER,
     LARGE_CLUSTER,
     JobSpec,
@@ -34,9 +34,10 @@ from slurmgpu.workload import (
     peak_mem_mib,
     runtime_s,
 )
-from slurmgpu.workload.emit import emit, sacct_lines, spool_record
-from slurmgpu.workload.perf import run_model
-from slurmgpu.workload.schedule import Outcome, simulate
+from slurmgpu.simulation.workload.emit import emit, sacct_lines, spool_record
+from slurmgpu.simulation.workload.perf import run_model
+from slurmgpu.simulation.workload.schedule import Outcome, simulate
+from slurmgpu.slurm import sacct
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "sacct" / "jobs_parsable2.txt"
@@ -89,7 +90,7 @@ def test_catalog_every_number_has_a_source_or_named_assumption() -> None:
     assert all(m.source for m in CAT.models.values()) and all(o.source for o in CAT.optimizers.values())
     assert all(a.why for a in CAT.assumptions.values())
     assert math.isclose(sum(f.share for f in CAT.families.values()), 1.0)
-    text = (ROOT / "slurmgpu" / "workload" / "data.toml").read_text()
+    text = (ROOT / "slurmgpu" / "simulation" / "workload" / "data.toml").read_text()
     for name in re.findall(r"assumption ([a-z0-9]+_\w+)", text):
         assert name in CAT.assumptions, f"data.toml names an assumption it does not define: {name}"
 

@@ -1,0 +1,1 @@
+"""Programs on top of the layers: gsbatch, the prediction daemon, doctor, demo."""

@@ -1,0 +1,41 @@
+"""The daemon's client side, kept apart from the server so gsbatch imports only this."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_SOCKET = "/run/slurmgpu/slurmgpu.sock"
+MAX_REQUEST_BYTES = 2 << 20  # the hook sends at most 256 KiB of script, escaped
+
+
+def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
+    """Send one request on a fresh connection; the reply, or None on any failure or timeout."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(socket_path)
+            sock.sendall(json.dumps(message, separators=(",", ":")).encode("utf-8", "surrogateescape") + b"\n")
+            data = b""
+            while not data.endswith(b"\n") and len(data) <= MAX_REQUEST_BYTES:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        reply = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+def ask(socket_path: str, job: Mapping[str, Any], timeout_s: float = 0.2) -> dict[str, Any] | None:
+    """The daemon's decision for a job (see slurmgpu.apps.serve), or None when it cannot say."""
+    reply = call(socket_path, {"op": "decide", "job": dict(job)}, timeout_s)
+    if reply and reply.get("ok") and isinstance(reply.get("decision"), dict):
+        return reply["decision"]
+    return None

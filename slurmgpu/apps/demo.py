@@ -1,0 +1,143 @@
+"""The demo: a month of local history, then training, then gsbatch's decisions on new scripts.
+
+Everything goes through the production paths: the workload generator writes sacct text,
+collector records and batch scripts; ``slurmgpu ingest``'s loaders fill an embedded SQLite
+store; submission records are dropped in the spool as gsbatch would; the models are trained and
+registered; and gsbatch plans (``--dry-run``) are shown for the example scripts and for new runs
+of families the history knows. Nothing is submitted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from slurmgpu.apps.gsbatch import Invocation, plan, site_decider
+from slurmgpu.history import db, ingest
+from slurmgpu.learning import registry, train
+from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.rewrite import describe
+from slurmgpu.pipeline.script import parse_script
+from slurmgpu.pipeline.spool import new_record, write_record
+from slurmgpu.slurm import sacct
+from slurmgpu.slurm.backend import CliBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "contrib" / "examples"
+SAMPLE_CONFIG = ROOT / "contrib" / "slurmgpu.toml"
+DAYS = 30
+JOBS_PER_DAY = 120
+END = datetime(2026, 11, 1)
+
+
+def demo_config(out: Path) -> Path:
+    """The sample config with the model decider and every site path inside ``out``."""
+    text = SAMPLE_CONFIG.read_text()
+    start, end = text.index("[site]"), text.index("[policy]")
+    site = (f'[site]\ncluster = "slurmgpu"\ndatabase_url = "sqlite:///{out / "slurmgpu.db"}"\n'
+            f'submission_spool = "{out / "spool" / "submissions"}"\ngpu_spool = "{out / "history" / "spool"}"\n'
+            f'model_path = "{out / "model.json"}"\n\n')
+    text = text[:start] + site + text[end:].replace('decider = "rules"', 'decider = "model"', 1)
+    path = out / "slurmgpu.toml"
+    path.write_text(text)
+    return path
+
+
+class _Offline(CliBackend):
+    """The demo runs without a cluster: every GPU type counts as idle."""
+
+    def free_gpus(self) -> dict[str, int]:
+        return {"a100": 4, "v100": 4, "t4": 4}
+
+
+def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = None) -> dict[str, Any]:
+    """Run the demo; returns the held-out metrics and gsbatch's plans (script -> decision)."""
+    from slurmgpu.simulation.workload import DEFAULT_CLUSTER, emit, generate
+
+    console = console or Console()
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "spool" / "submissions").mkdir(parents=True)
+    config_path = demo_config(out)
+    config = load_config(config_path)
+    url = config.site.database_url
+    now = END  # a fixed window, so the demo's numbers are reproducible
+
+    jobs = generate(DEFAULT_CLUSTER, now - timedelta(days=DAYS), DAYS, seed, jobs_per_day=JOBS_PER_DAY)
+    held_back = [j for j in jobs if j.submit_time >= now - timedelta(days=1)]
+    history = [j for j in jobs if j.submit_time < now - timedelta(days=1)]
+    emit(str(out / "history"), history, DEFAULT_CLUSTER)
+    console.print(f"[bold]1. history[/bold]: {len(history)} jobs over {DAYS - 1} days generated "
+                  f"(scripts, sacct text, GPU collector records) in {out / 'history'}")
+
+    for job in history:  # what gsbatch would have recorded at submission
+        request = build_request(parse_script(job.script.encode(), job.job_id), [], {}, config.gpu_features())
+        write_record(str(out / "spool" / "submissions"), new_record(
+            cluster="slurmgpu", job_id=job.job_id, script_sha256=None, sbatch_exit=0,
+            features={"script": script_features(job.script)}, original_request=request.to_json(),
+            decision={"changed": False}, changed=False))
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    with open(out / "history" / "sacct.txt", encoding="utf-8") as fh:
+        report = ingest.load_jobs(engine, sacct.parse_lines(fh, sacct.FIELDS, "|", "slurmgpu"))
+    ingest.load_submissions(engine, str(out / "spool" / "submissions"), report)
+    ingest.load_gpu_records(engine, config.site.gpu_spool or "", report)
+    console.print(f"[bold]2. ingest[/bold] into {url}: {report.summary()}")
+
+    rows = train.history_rows(engine)
+    train_rows, test_rows = train.split_by_time(rows, 5)
+    bundle, _ = train.fit(train_rows, config)
+    metrics = train.evaluate(bundle, train_rows, test_rows, config)
+    bundle.data["metrics"] = metrics
+    version = registry.register(engine, bundle, config.site.model_path or "", active=True)
+    console.print(f"[bold]3. train[/bold]: model version {version} on {len(train_rows)} jobs; last 5 days held out "
+                  f"({metrics['memory_jobs']} jobs): memory under-predicted on "
+                  f"{metrics['memory_under_prediction_rate']:.2%}, runtime MdAPE {metrics['runtime_mdape']:.1%}")
+
+    new_runs = out / "new-runs"
+    new_runs.mkdir()
+    seen = set()
+    for job in held_back:  # the next day's jobs: new runs of families the history knows
+        family = script_features(job.script)["family"]
+        if family not in seen and bundle.history.family(family).get("n", 0) >= config.policy.min_history:
+            seen.add(family)
+            (new_runs / f"{job.user}-{job.family}.sh").write_text(job.script)
+        if len(seen) == 8:
+            break
+    env = {"SLURMGPU_CONFIG": str(config_path), "USER": "demo"}
+    decider = site_decider(config, _Offline(), env)
+    table = Table(title="4. gsbatch --dry-run (model decider; nothing submitted)", show_lines=True)
+    for col in ("script", "request", "decision", "why"):
+        table.add_column(col, overflow="fold")
+    shown = None
+    plans = {}
+    for path in [*sorted(EXAMPLES.glob("*.sh")), *sorted(new_runs.glob("*.sh"))]:
+        try:
+            p = plan(Invocation(script=str(path), flags=frozenset({"--dry-run"})), env, decider)
+        except InputError as exc:
+            table.add_row(path.name, "-", "[red]error[/red]", str(exc))
+            continue
+        assert p.request is not None
+        plans[str(path)] = p
+        if p.decision.refusal:
+            verdict, why = "[red]refused[/red]", p.decision.refusal
+        elif p.submission.changed:
+            verdict, why = "[yellow]rewritten[/yellow]", p.decision.reasons[-1]
+            shown = shown or (path, p.submission.script_text)
+        else:
+            verdict, why = "[green]kept[/green]", p.decision.reasons[-1]
+        table.add_row(os.path.relpath(path, ROOT), "; ".join(describe(c) for c in p.request.components), verdict, why)
+    console.print(table)
+    if shown is not None:
+        console.print(f"\n[bold]gsbatch --dry-run {os.path.relpath(shown[0], ROOT)}[/bold] would submit:")
+        console.print(shown[1], markup=False, highlight=False, soft_wrap=True)
+    console.print(f"\nTry it: SLURMGPU_CONFIG={config_path} .venv/bin/gsbatch --dry-run --explain SCRIPT")
+    return {"metrics": metrics, "plans": plans, "held_back": held_back, "config": config}

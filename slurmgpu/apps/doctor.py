@@ -1,0 +1,210 @@
+"""``slurmgpu doctor``: check the whole installation and say in plain words what to fix.
+
+Each check is a small function that takes what it inspects (paths, a clock, a command runner,
+a loader) as arguments, so the tests can hand it fakes; ``cli_report.doctor_cmd`` passes the
+real ones. A check never raises: whatever goes wrong becomes its FAIL or WARN line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
+
+from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.errors import InputError
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+DEFAULT_SOCKET = "/run/slurmgpu/slurmgpu.sock"
+MODEL_MAX_AGE_DAYS = 14.0
+SPOOL_MAX_AGE_HOURS = 48.0  # two nightly ingests missed
+
+
+class Check(NamedTuple):
+    name: str
+    status: str  # OK, WARN or FAIL
+    detail: str  # what was found
+    advice: str = ""  # one line: what to do about it (empty when OK)
+
+
+def exit_status(checks: Sequence[Check]) -> int:
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def check_config(path: str | None, load: Callable[[str], Config]) -> tuple[Check, Config | None]:
+    """The config file exists and validates; the loaded config feeds the later checks."""
+    if path is None:
+        return Check("config", FAIL, "no config file found",
+                     "install /etc/slurmgpu/slurmgpu.toml (see contrib/slurmgpu.toml) or set SLURMGPU_CONFIG"), None
+    try:
+        config = load(path)
+    except InputError as exc:
+        return Check("config", FAIL, f"{path}: {exc}", "fix the file, then run `slurmgpu config check --offline`"), None
+    return Check("config", OK, f"{path}: valid ({len(config.gpu_types)} GPU types, "
+                               f"{len(config.partitions)} partitions)"), config
+
+
+def check_cluster(config: Config | None, nodes: Callable[[], list[Any]],
+                  compare: Callable[[Config, list[Any]], list[str]]) -> Check:
+    """The config describes the partitions and GPU types the live cluster has."""
+    if config is None:
+        return Check("cluster", WARN, "not compared: no valid config", "fix the config first")
+    try:
+        live = nodes()
+    except Exception as exc:  # noqa: BLE001 - any failure to ask Slurm is this one answer
+        return Check("cluster", FAIL, f"cannot ask Slurm: {exc}",
+                     "check that slurmctld is running and sinfo works on this host")
+    problems = compare(config, live)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return Check("cluster", FAIL, f"{problems[0]}{more}",
+                     "make [partitions]/[gpu_types] match sinfo; `slurmgpu config check` lists every mismatch")
+    return Check("cluster", OK, f"config matches the live cluster ({len(live)} node{'' if len(live) == 1 else 's'})")
+
+
+def check_database(url: str, current: Callable[[str], str | None], head: str | None,
+                   sqlite_path: str | None = None) -> Check:
+    """The history database answers and is migrated to the code's schema revision."""
+    if sqlite_path is not None and not os.path.exists(sqlite_path):
+        return Check("database", FAIL, f"{sqlite_path} does not exist", "run `slurmgpu db upgrade` to create it")
+    try:
+        rev = current(url)
+    except Exception as exc:  # noqa: BLE001 - any driver error is the same advice
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return Check("database", FAIL, f"unreachable: {type(exc).__name__}: {first}",
+                     "check [site] database_url / --db and that the database server is running")
+    if rev is None:
+        return Check("database", FAIL, "reachable but empty (no schema)", "run `slurmgpu db upgrade`")
+    if rev != head:
+        return Check("database", FAIL, f"at revision {rev}, code needs {head}", "run `slurmgpu db upgrade`")
+    return Check("database", OK, f"reachable, at revision {rev}")
+
+
+def check_model(path: str, config: Config | None, load: Callable[[str], Any], trained_at: datetime | None,
+                now: datetime, max_age_days: float = MODEL_MAX_AGE_DAYS) -> Check:
+    """The model file loads and is recent. Missing or broken only fails when the model decider is on.
+
+    ``trained_at`` is the registry's time for the active version (naive UTC); without it the file's
+    modification time is used.
+    """
+    needed = config is not None and config.policy.decider == "model"
+    bad = FAIL if needed else WARN
+    why = "the model decider is on" if needed else "needed before setting policy.decider = \"model\""
+    if not os.path.exists(path):
+        return Check("model", bad, f"no model at {path}", f"run `slurmgpu train` ({why})")
+    try:
+        load(path)
+    except Exception as exc:  # noqa: BLE001 - unreadable, stale format, bad JSON: all mean "retrain"
+        return Check("model", bad, f"{path} unusable: {exc}", f"run `slurmgpu train` ({why})")
+    when = trained_at or datetime.fromtimestamp(os.stat(path).st_mtime, UTC).replace(tzinfo=None)
+    age = (now - when).total_seconds() / 86400.0
+    if age > max_age_days:
+        return Check("model", WARN, f"{path} trained {age:.0f} days ago (limit {max_age_days:g})",
+                     "the nightly retrain is not running: check `systemctl status slurmgpu-nightly.timer`")
+    return Check("model", OK, f"{path} loads, trained {age:.1f} days ago")
+
+
+def check_daemon(path: str, timeout: float = 2.0) -> Check:
+    """The prediction daemon answers ``{"op":"health"}`` on its Unix socket with ``{"ok": true}``."""
+    if not os.path.exists(path):
+        return Check("daemon", WARN, f"not installed (no socket at {path})",
+                     "optional: without it gsbatch decides in-process, which is slower")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.sendall(b'{"op":"health"}\n')
+            reply = sock.makefile("rb").readline(65536)
+    except PermissionError:
+        return Check("daemon", FAIL, f"{path}: permission denied", "make the socket connectable by all users (0666)")
+    except TimeoutError:
+        return Check("daemon", FAIL, f"{path}: no answer within {timeout:g} s", "restart the slurmgpu daemon")
+    except OSError as exc:
+        return Check("daemon", FAIL, f"{path}: {exc.strerror or exc}",
+                     "the daemon is not running (stale socket): start it")
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or answer.get("ok") is not True:
+        shown = reply.decode("utf-8", "replace").strip()[:120] or "nothing"
+        return Check("daemon", FAIL, f"unhealthy answer: {shown}", "check the daemon's log and restart it")
+    return Check("daemon", OK, f"answering on {path}")
+
+
+def _scontrol_config(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def check_lua_hook(run: Callable[[list[str]], str]) -> Check:
+    """slurmctld runs the job_submit.lua hook that sends plain sbatch jobs through slurmgpu."""
+    try:
+        conf = _scontrol_config(run(["scontrol", "show", "config"]))
+    except Exception as exc:  # noqa: BLE001 - scontrol missing or slurmctld down
+        return Check("lua hook", WARN, f"cannot read the Slurm config: {exc}", "check that scontrol works on this host")
+    plugins = conf.get("JobSubmitPlugins", "")
+    if "lua" not in {p.strip().rsplit("/", 1)[-1] for p in plugins.split(",")}:  # "lua" or "job_submit/lua"
+        return Check("lua hook", WARN, f"JobSubmitPlugins = {plugins or '(null)'}: plain sbatch jobs bypass slurmgpu",
+                     "set JobSubmitPlugins=lua in slurm.conf and install slurmgpu's job_submit.lua")
+    lua = os.path.join(os.path.dirname(conf.get("SLURM_CONF", "/etc/slurm/slurm.conf")), "job_submit.lua")
+    try:
+        with open(lua, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError as exc:
+        return Check("lua hook", FAIL, f"JobSubmitPlugins=lua but {lua}: {exc.strerror}",
+                     "install slurmgpu's job_submit.lua there (slurmctld rejects submissions without it)")
+    if "slurmgpu" not in text:
+        return Check("lua hook", WARN, f"{lua} is not slurmgpu's hook", "install slurmgpu's job_submit.lua")
+    return Check("lua hook", OK, f"{lua} installed, JobSubmitPlugins=lua")
+
+
+def check_spool(name: str, directory: str, now: float, max_age_hours: float = SPOOL_MAX_AGE_HOURS) -> Check:
+    """The ingest empties the spool: no record older than the limit, none rejected."""
+    label = f"{name} spool"
+    try:
+        with os.scandir(directory) as it:
+            entries = [e for e in it if not e.name.startswith(".")]
+    except FileNotFoundError:
+        return Check(label, WARN, f"{directory} does not exist", "nothing was spooled yet, or the path is wrong")
+    except PermissionError:
+        return Check(label, WARN, f"cannot list {directory} as this user", "run `slurmgpu doctor` as root")
+    records = [e for e in entries if e.name.endswith(".json")]
+    rejected = [e for e in entries if e.name.endswith(".rejected")]
+    ages = []
+    for e in records:
+        try:
+            ages.append(now - e.stat().st_mtime)
+        except FileNotFoundError:  # loaded by the ingest meanwhile
+            continue
+    oldest = max(ages, default=0.0) / 3600.0
+    if oldest > max_age_hours:
+        return Check(label, FAIL, f"{len(records)} records waiting in {directory}, oldest {oldest:.0f} h",
+                     "the nightly ingest is not emptying it: run `slurmgpu ingest` and check the nightly timer")
+    if rejected:
+        return Check(label, WARN, f"{len(rejected)} rejected records in {directory}",
+                     "read `slurmgpu ingest`'s messages about them, then delete the *.rejected files")
+    return Check(label, OK, f"{directory}: {len(records)} waiting, oldest {oldest:.1f} h")
+
+
+def render(checks: Sequence[Check], color: bool = False) -> str:
+    """One line per check, its advice indented below when it is not OK."""
+    styles = {OK: "\033[32m", WARN: "\033[33m", FAIL: "\033[31m"}
+    lines = []
+    for c in checks:
+        mark = f"{styles[c.status]}{c.status:4}\033[0m" if color else f"{c.status:4}"
+        lines.append(f"{mark}  {c.name:16} {c.detail}")
+        if c.advice and c.status != OK:
+            lines.append(f"      {'':16} -> {c.advice}")
+    return "\n".join(lines)
+
+
+def to_json(checks: Sequence[Check]) -> str:
+    return json.dumps({"ok": exit_status(checks) == 0, "checks": [c._asdict() for c in checks]}, indent=2)

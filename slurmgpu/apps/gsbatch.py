@@ -1,0 +1,370 @@
+"""gsbatch: sbatch with the GPU request put right.
+
+Takes exactly sbatch's arguments plus ``--dry-run``, ``--diff``, ``--explain``,
+``--no-rewrite`` and ``--gs-config=PATH``. The job always reaches sbatch: bad user input is
+refused with sbatch-style one-line errors (exit 1), and any failure of slurmgpu itself falls
+back to submitting the job exactly as written, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TextIO
+
+from slurmgpu.pipeline.config import Config, find_config, load_config
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider, make_decider
+from slurmgpu.pipeline.request import JobRequest, build_request
+from slurmgpu.pipeline.rewrite import Submission, apply, describe
+from slurmgpu.pipeline.sbatch_options import OptionError, split_options
+from slurmgpu.pipeline.script import parse_script, read_script
+from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
+
+OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
+DECIDED_MARKER = "SLURMGPU_DECIDED"
+PASS_THROUGH = {"help", "usage", "version"}
+HELP = """
+gsbatch options (everything else is sbatch's):
+      --dry-run          print the script that would be submitted; submit nothing
+      --diff             print a unified diff of the rewrite; submit nothing
+      --explain          show the decision and its reasons on stderr
+      --no-rewrite       submit exactly as written (as does a '#SLURMGPU keep' line)
+      --gs-config=PATH   slurmgpu config file (default: $SLURMGPU_CONFIG, /etc/slurmgpu/slurmgpu.toml)
+"""
+
+
+class Invocation(NamedTuple):
+    """gsbatch's command line, split into its own flags, sbatch's options, script and args."""
+
+    flags: frozenset[str] = frozenset()
+    config: str | None = None
+    options: tuple[str, ...] = ()
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    wrap: bool = False
+    pass_through: bool = False
+
+    def sbatch_words(self, options: Sequence[str] | None = None, script: str | None = None) -> list[str]:
+        words = list(self.options if options is None else options)
+        if self.script is not None or script is not None:
+            words.append(script or self.script or "")
+        return words + list(self.script_args)
+
+
+def parse_invocation(argv: Sequence[str]) -> Invocation:
+    """Split the command line the way sbatch will, taking out gsbatch's own flags.
+
+    Own flags are long options sbatch does not know, so sbatch's own splitting already stops
+    short of the script with them in place; they are removed from what sbatch gets.
+    """
+    words = list(argv)
+    try:
+        opts, operand = split_options(words)
+    except OptionError:
+        return Invocation(options=tuple(words), pass_through=True)  # let sbatch word the error itself
+    flags, config, own = set(), None, set()
+    for o in opts:
+        if not o.known and o.name in OWN_FLAGS:
+            flags.add(o.name)
+            own.add(o.first)
+        elif not o.known and o.name == "--gs-config":
+            config = o.value
+            own.add(o.first)
+    options = tuple(w for j, w in enumerate(words[:operand]) if j not in own)
+    names = {o.name for o in opts}
+    wrap = "wrap" in names
+    base = Invocation(frozenset(flags), config, options, wrap=wrap, pass_through=bool(names & PASS_THROUGH))
+    tail = tuple(words[operand:])
+    if tail[:1] == (":",):  # a command-line hetjob: passed on untouched
+        return base._replace(options=options + tail, pass_through=True)
+    if tail and not wrap:
+        return base._replace(script=tail[0], script_args=tail[1:])
+    return base._replace(script_args=tail)
+
+
+def _note(stream: TextIO, kind: str, text: str) -> None:
+    print(f"gsbatch: {kind}: {text}", file=stream)
+
+
+def explain_text(request: JobRequest, decision: Decision) -> str:
+    lines = [f"decider: {decision.decider}"]
+    for comp in request.components:
+        lines.append(f"request{f' (component {comp.index})' if request.is_hetjob else ''}: {describe(comp)}")
+    if decision.refusal:
+        lines.append(f"refused: {decision.refusal}")
+    for c in decision.changes:
+        parts = [f"{k}={v}" for k, v in (("gpu_type", c.gpu_type), ("gpus_total", c.gpus_total),
+                                            ("partition", c.partition)) if v is not None]
+        lines.append(f"change (component {c.index}): {', '.join(parts)}")
+    lines.extend(f"reason: {r}" for r in decision.reasons)
+    if decision.per_type:
+        lines.append(f"{'type':>6} {'gpus':>4} {'fits':>4} {'peak GiB':>8} {'runtime':>9} {'wait':>7}")
+        lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {'yes' if c.fits else 'no':>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
+                     f"{c.pred_runtime_s / 60:>7.0f} m {c.expected_wait_s / 60:>5.0f} m" for c in decision.per_type)
+    if not decision.changed and not decision.refusal:
+        lines.append("result: request kept as written")
+    return "\n".join("gsbatch: explain: " + line for line in lines)
+
+
+class Plan(NamedTuple):
+    """What to submit, and what to tell the user about it."""
+
+    request: JobRequest | None
+    decision: Decision
+    submission: Submission
+    stdin: bytes | None = None
+
+
+def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None) -> Plan:
+    """Parse, decide and rewrite; raises InputError for bad user input."""
+    script = None
+    stdin_data = None
+    if not inv.wrap:
+        if inv.script is not None:
+            script = read_script(inv.script)
+        else:
+            stream = stdin if stdin is not None else sys.stdin
+            stdin_data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
+            script = parse_script(stdin_data, "<stdin>")
+    features = getattr(getattr(decider, "config", None), "gpu_features", lambda: set())()
+    request = build_request(script, inv.options, env, features)
+    if "--no-rewrite" in inv.flags or (script is not None and script.keep_marker):
+        why = "--no-rewrite given" if "--no-rewrite" in inv.flags else "the script says '#SLURMGPU keep'"
+        decision = KeepDecider(f"{why}; request kept").decide(request)
+    else:
+        decision = decider.decide(request)
+    return Plan(request, decision, apply(request, decision), stdin_data)
+
+
+def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, str]) -> Submitted:
+    """Hand the plan to sbatch; a rewritten script goes through a private temporary file
+    with the same name, so the job's default name and output file names do not change."""
+    sub = p.submission
+    # Tells the site's job_submit.lua hook that this job was already decided.
+    child_env = {**env, **sub.env_overrides, DECIDED_MARKER: "1"}
+    if not sub.changed:
+        return backend.submit(inv.sbatch_words(), child_env, p.stdin)
+    data = sub.script_text.encode("utf-8", "surrogateescape") if sub.script_text is not None else None
+    if inv.script is None:
+        return backend.submit(inv.sbatch_words(sub.cli_words), child_env, data if p.stdin is not None else None)
+    import shutil
+    import tempfile
+
+    tmpdir = tempfile.mkdtemp(prefix="gsbatch-")
+    try:
+        path = os.path.join(tmpdir, os.path.basename(inv.script))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data or b"")
+        return backend.submit(inv.sbatch_words(sub.cli_words, path), child_env)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def load_site(inv: Invocation, env: Mapping[str, str]) -> Config | None:
+    path = find_config(inv.config, env)
+    return load_config(path) if path else None
+
+
+def model_path(config: Config | None, env: Mapping[str, str]) -> str:
+    from slurmgpu.pipeline.spool import PERSONAL_SPOOL
+
+    site = config.site.model_path if config else None
+    return os.path.expanduser(env.get("SLURMGPU_MODEL") or site
+                              or os.path.join(os.path.dirname(PERSONAL_SPOOL), "model.json"))
+
+
+_TRES_FIELD = {"gres": "tres_per_node", "gpus-per-node": "tres_per_node", "gpus": "tres_per_job",
+               "gpus-per-task": "tres_per_task", "gpus-per-socket": "tres_per_socket"}
+
+
+def daemon_job(request: JobRequest, user: str | None) -> dict[str, Any]:
+    """The job as slurmctld's job_submit.lua would describe it to the daemon."""
+    comp = request.main
+    job: dict[str, Any] = {"script": request.script.text if request.script else None, "user_name": user,
+                           "partition": comp.partition, "account": comp.account, "qos": comp.qos,
+                           "num_tasks": comp.ntasks, "ntasks_per_node": comp.ntasks_per_node,
+                           "cpus_per_task": comp.cpus_per_task, "sockets_per_node": comp.sockets_per_node,
+                           "time_limit": comp.time_limit_s // 60 if comp.time_limit_s else None,
+                           "min_nodes": comp.nodes if comp.nodes_set else None,
+                           "features": comp.options["constraint"].value if "constraint" in comp.options else None}
+    for ask in comp.gpus:
+        job[_TRES_FIELD[ask.option]] = f"gres:gpu:{ask.type + ':' if ask.type else ''}{ask.count}"
+    return {k: v for k, v in job.items() if v is not None}
+
+
+class DaemonDecider:
+    """Asks ``slurmgpu serve`` (model and config already loaded there); falls back to deciding
+    in this process when the daemon does not answer in time."""
+
+    name = "daemon"
+
+    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = 0.5) -> None:
+        self.socket_path, self.user, self.fallback, self.timeout_s = socket_path, user, fallback, timeout_s
+
+    def decide(self, request: JobRequest) -> Decision:
+        from slurmgpu.apps.daemon_client import ask
+        from slurmgpu.pipeline.policy import Candidate, ComponentChange
+
+        answer = ask(self.socket_path, daemon_job(request, self.user), self.timeout_s)
+        if answer is None or request.is_hetjob:
+            return self.fallback().decide(request)
+        return Decision(tuple(ComponentChange(**c) for c in answer.get("changes", [])), tuple(answer["reasons"]),
+                        answer.get("refused"), answer.get("decider", "model"),
+                        tuple(Candidate(**c) for c in answer.get("per_type", [])))
+
+
+def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
+    """The configured decider: the daemon when its socket is there (the fast path), else the
+    model in this process; a model that cannot be used leaves the request as written."""
+    if config is None or config.policy.decider != "model":
+        return make_decider(config)
+    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET
+
+    user = env.get("USER") or env.get("LOGNAME")
+    socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
+    if os.path.exists(socket_path):
+        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user))
+    return local_decider(config, backend, env, user)
+
+
+def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str], user: str | None) -> Decider:
+    from slurmgpu.pipeline.bundle import Bundle
+
+    path = model_path(config, env)
+    try:
+        bundle = Bundle.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _note(sys.stderr, "warning", f"model {path} unusable ({exc}); request kept as written")
+        return KeepDecider("model unusable")
+    return make_decider(config, bundle, cached_free_gpus(backend, env), user)
+
+
+def cached_free_gpus(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:
+    """Idle GPUs per type, from a per-user cache a few seconds old at most (sinfo is not free)."""
+    import json
+    import time
+
+    def free() -> dict[str, int]:
+        path = os.path.join(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache"), "slurmgpu", "free-gpus.json")
+        try:
+            if time.time() - os.stat(path).st_mtime < ttl_s:
+                with open(path) as fh:
+                    return json.load(fh)
+        except (OSError, ValueError):
+            pass
+        try:
+            data = backend.free_gpus()
+        except Exception:  # noqa: BLE001 - no cluster view: rank by runtime alone
+            return {}
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            from slurmgpu.pipeline.spool import atomic_write
+
+            atomic_write(path, json.dumps(data).encode(), 0o600)
+        except OSError:
+            pass
+        return data
+
+    return free
+
+
+def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Plan, result: Submitted) -> None:
+    """Leave a submission record in the spool for the ingest; never fails the submission."""
+    import hashlib
+
+    from slurmgpu.pipeline.features import script_features
+    from slurmgpu.pipeline.spool import (
+        PERSONAL_SPOOL,
+        ensure_personal_spool,
+        new_record,
+        submission_spool,
+        write_record,
+    )
+
+    site = config.site if config else None
+    directory = submission_spool(site.submission_spool if site else None, env)
+    try:
+        if directory.startswith(os.path.expanduser(PERSONAL_SPOOL)):
+            ensure_personal_spool(directory)
+        script = p.request.script if p.request else None
+        write_record(directory, new_record(
+            cluster=site.cluster if site else None, job_id=result.job_id, sbatch_exit=result.code,
+            script_sha256=hashlib.sha256(script.data).hexdigest() if script else None,
+            features={"script": script_features(script.text) if script else None,
+                      "script_name": os.path.basename(inv.script) if inv.script else None,
+                      "sbatch_options": list(inv.options), "wrap": inv.wrap},
+            original_request=p.request.to_json() if p.request else None,
+            decision=p.decision.to_json(), changed=p.submission.changed))
+    except (OSError, TypeError, ValueError) as exc:
+        _note(sys.stderr, "warning", f"submission record not written to {directory}: {exc}")
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+         backend: SlurmBackend | None = None, decider: Decider | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ if env is None else env)
+    backend = backend or CliBackend()
+    inv = parse_invocation(argv)
+    if inv.pass_through:
+        code = backend.submit(inv.sbatch_words(), env).code
+        if {"--help", "-h"} & set(inv.options):
+            print(HELP, end="")
+        return code
+    config = None
+    try:
+        config = load_site(inv, env)
+        decider = decider or site_decider(config, backend, env)
+    except InputError as exc:
+        _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")
+        decider = KeepDecider("config unusable")
+    try:
+        p = plan(inv, env, decider)
+    except InputError as exc:
+        _note(sys.stderr, "error", str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - any slurmgpu fault must not stop the job
+        if "--dry-run" in inv.flags or "--diff" in inv.flags:
+            _note(sys.stderr, "error", f"slurmgpu failed: {type(exc).__name__}: {exc}")
+            return 1
+        _note(sys.stderr, "warning", f"slurmgpu failed ({type(exc).__name__}: {exc}); submitting as written")
+        return backend.submit(inv.sbatch_words(), env).code
+    if "--explain" in inv.flags and p.request is not None:
+        print(explain_text(p.request, p.decision), file=sys.stderr)
+    if p.decision.refusal:
+        _note(sys.stderr, "error", f"{inv.script or 'job'}: {p.decision.refusal}")
+        return 1
+    sub = p.submission
+    if sub.changed:
+        comp_notes = "; ".join(p.decision.reasons)
+        _note(sys.stderr, "note", f"GPU request changed: {comp_notes}")
+        if list(sub.cli_words) != list(inv.options) or sub.env_overrides:
+            extra = " ".join(sub.cli_words) + "".join(f" {k}={v}" for k, v in sub.env_overrides.items())
+            _note(sys.stderr, "note", f"sbatch options now: {extra.strip()}")
+    if "--dry-run" in inv.flags or "--diff" in inv.flags:
+        original = p.request.script.text if p.request and p.request.script else ""
+        new = sub.script_text if sub.script_text is not None else original
+        out = sys.stdout.buffer
+        if "--diff" in inv.flags:
+            import difflib
+
+            name = inv.script or "<stdin>"
+            diff = difflib.unified_diff(original.splitlines(True), new.splitlines(True), name, name + " (gsbatch)")
+            out.write("".join(diff).encode("utf-8", "surrogateescape"))
+        else:
+            out.write(new.encode("utf-8", "surrogateescape"))
+        out.flush()
+        return 0
+    result = submit(inv, p, backend, env)
+    if "--test-only" not in inv.options:
+        record(config, env, inv, p, result)
+    return result.code
+
+
+def entry() -> None:
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,1 @@
+"""The slurmgpu click commands, one module per command group."""

@@ -1,0 +1,147 @@
+"""``slurmgpu report`` and ``slurmgpu doctor``; cli.py registers them on the main command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+import click
+
+from slurmgpu.apps.doctor import DEFAULT_SOCKET, MODEL_MAX_AGE_DAYS, SPOOL_MAX_AGE_HOURS
+from slurmgpu.cli.main import _config, _current_user, _engine, _to_utc, compare_with_cluster, fail
+from slurmgpu.pipeline.errors import InputError
+
+
+@click.command("report")
+@click.option("--since", type=click.DateTime(),
+              help="Start of the window, local time (default: 30 days before --until).")
+@click.option("--until", type=click.DateTime(), help="End of the window, local time (default: now).")
+@click.option("--user", help="Only this user's jobs (a user who is not root only ever sees their own).")
+@click.option("--account", help="Only this account's jobs.")
+@click.option("--cluster", help="Only this cluster's jobs (default: the config's site.cluster, else all).")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]),
+              help="What to print on stdout (default: table; nothing but a note when --html is given).")
+@click.option("--html", "html_path", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Write a self-contained HTML page (inline CSS and SVG) to FILE.")
+@click.pass_context
+def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, account: str | None,
+               cluster: str | None, fmt: str | None, html_path: str | None) -> None:
+    """GPU use over a time window: allocated vs used per GPU type, over-requests and OOMs per
+    user and account, and what slurmgpu changed with the GPU-hours and queue time it saved."""
+    from slurmgpu.history.db import utcnow
+    from slurmgpu.reporting import report
+
+    if os.geteuid() != 0:
+        me = _current_user()
+        if user and user != me:
+            fail(InputError(f"you may only report on your own jobs, not {user}'s", option="--user"))
+        user = me
+    end = _to_utc(until) or utcnow()
+    start = _to_utc(since) or end - timedelta(days=30)
+    if start >= end:
+        fail(InputError("the window is empty: --since must be before --until", option="--since"))
+    config = _config(ctx, required=False)
+    cluster = cluster or (config.site.cluster if config else None)
+    jobs = report.load_jobs(_engine(ctx), start, end, user=user, account=account, cluster=cluster)
+    result = report.build(jobs, config, start, end, user)
+    if html_path:
+        from slurmgpu.pipeline.spool import atomic_write
+
+        try:  # atomically: a web server never serves half a page
+            atomic_write(html_path, report.to_html(result, utcnow()).encode(), 0o644)
+        except OSError as exc:
+            fail(InputError(f"cannot write: {exc.strerror}", file=html_path))
+        click.echo(f"wrote {html_path}: {len(jobs)} GPU jobs", err=True)
+    if fmt == "json":
+        click.echo(report.to_json(result))
+    elif fmt == "csv":
+        click.echo(report.to_csv(result), nl=False)
+    elif fmt == "table" or not html_path:
+        from rich.console import Console
+
+        report.print_tables(result, Console())
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option("--socket", "socket_path", metavar="PATH", envvar="SLURMGPU_SOCKET", default=DEFAULT_SOCKET,
+              show_default=True, help="The prediction daemon's Unix socket (or $SLURMGPU_SOCKET).")
+@click.option("--model-max-age-days", type=click.FloatRange(min=0), default=MODEL_MAX_AGE_DAYS, show_default=True,
+              help="Warn when the model was trained longer ago than this.")
+@click.option("--spool-max-age-hours", type=click.FloatRange(min=0), default=SPOOL_MAX_AGE_HOURS, show_default=True,
+              help="Fail when a spool holds a record older than this (the ingest is not emptying it).")
+@click.pass_context
+def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_age_days: float,
+               spool_max_age_hours: float) -> None:
+    """Check the installation (config, cluster, database, model, daemon, lua hook, spools) and
+    say what to fix. Exit status 1 when any check FAILs."""
+    from slurmgpu.apps import doctor
+    from slurmgpu.apps.gsbatch import model_path
+    from slurmgpu.history import db
+    from slurmgpu.pipeline.bundle import Bundle
+    from slurmgpu.pipeline.config import find_config, load_config
+    from slurmgpu.pipeline.spool import gpu_spool, submission_spool
+    from slurmgpu.slurm.backend import select_backend
+
+    first, config = doctor.check_config(find_config(ctx.obj["config_path"]), load_config)
+    url = db.resolve_url(ctx.obj["db_url"] or os.environ.get("SLURMGPU_DB_URL")
+                         or (config.site.database_url if config else None))
+    database = doctor.check_database(url, db.current_revision, db.head_revision(), _sqlite_file(url))
+    site = config.site if config else None
+    checks = [
+        first,
+        doctor.check_cluster(config, lambda: select_backend().nodes(), compare_with_cluster),
+        database,
+        doctor.check_model(model_path(config, os.environ), config, Bundle.load,
+                           _trained_at(url) if database.status == doctor.OK else None, db.utcnow(),
+                           model_max_age_days),
+        doctor.check_daemon(socket_path),
+        doctor.check_lua_hook(_run),
+        doctor.check_spool("submission", submission_spool(site.submission_spool if site else None, os.environ),
+                           time.time(), spool_max_age_hours),
+        doctor.check_spool("GPU", gpu_spool(site.gpu_spool if site else None, os.environ), time.time(),
+                           spool_max_age_hours),
+    ]
+    click.echo(doctor.to_json(checks) if as_json else doctor.render(checks, color=sys.stdout.isatty()))
+    sys.exit(doctor.exit_status(checks))
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The SQLite file behind URL: the doctor must not create it by connecting."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return parsed.database
+
+
+def _trained_at(url: str) -> datetime | None:
+    """When the registry's active model version was made (naive UTC); None when it has none."""
+    from sqlalchemy import select
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from slurmgpu.history.db import ModelVersion, make_engine
+    from slurmgpu.learning.registry import NAME
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(select(ModelVersion.created_at)
+                                .where(ModelVersion.name == NAME, ModelVersion.active.is_(True))
+                                .order_by(ModelVersion.version.desc()).limit(1)).scalar()
+    except SQLAlchemyError:
+        return None
+    finally:
+        engine.dispose()
+
+
+def _run(argv: list[str]) -> str:
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=15, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or 'exit ' + str(res.returncode)}")
+    return res.stdout

@@ -1,0 +1,161 @@
+"""Admin commands for the decision daemon and its slurmctld hook: ``serve``, ``lua render``, ``render serve``.
+
+Imported by ``slurmgpu.cli.main``, so ``slurmgpu.cli.main`` itself is imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+from typing import Any
+
+import click
+
+from slurmgpu.apps.serve import DEFAULT_SOCKET
+from slurmgpu.pipeline.errors import InputError
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]*$")  # partitions, accounts, users, groups
+_PATH = re.compile(r"^/[A-Za-z0-9_./@+-]+$")
+
+
+def _fail(exc: Exception) -> Any:
+    from slurmgpu.cli.main import fail
+
+    fail(exc)
+
+
+def _check(option: str, value: str, pattern: re.Pattern[str] = _PATH) -> str:
+    if not pattern.match(value) or "/../" in value + "/":
+        _fail(InputError(f"unsafe or malformed value {value!r}", option=option))
+    return value
+
+
+def _names(option: str, value: str | None) -> list[str]:
+    return [_check(option, v.strip(), _NAME) for v in (value or "").split(",") if v.strip()]
+
+
+def lua_string(value: object) -> str:
+    """A Lua 5.1 string literal of any text: printable ASCII as is, every other byte as ``\\ddd``."""
+    return '"' + "".join(chr(b) if 0x20 <= b < 0x7F and chr(b) not in '"\\' else f"\\{b:03d}"
+                         for b in str(value).encode("utf-8", "surrogateescape")) + '"'
+
+
+def lua_set(names: list[str]) -> str:
+    return "{" + ", ".join(f"[{lua_string(n)}] = true" for n in names) + "}"
+
+
+def render(template: str, **values: Any) -> str:
+    import jinja2
+
+    from slurmgpu.pipeline.rewrite import templates_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters.update(lua=lua_string, lua_set=lua_set)
+    return env.get_template(template).render(**values)
+
+
+def _write(path: str, text: str) -> None:
+    from slurmgpu.pipeline.spool import atomic_write
+
+    try:
+        atomic_write(path, text.encode(), 0o644)
+    except OSError as exc:
+        _fail(InputError(f"cannot write: {exc.strerror}", file=path))
+    click.echo(f"wrote {path}")
+
+
+@click.command("serve")
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True, envvar="SLURMGPU_SOCKET",
+              help="Unix socket to listen on (its directory is made root-owned 0755 if missing).")
+@click.option("--mode", default="0660", show_default=True, help="Socket file mode, octal.")
+@click.option("--group", default="slurm", show_default=True,
+              help="Group of the socket file: its members may ask ('' for none).")
+@click.option("--slurm-user", default="slurm", show_default=True,
+              help="slurmctld's SlurmUser, always allowed to ask ('' for none).")
+@click.option("--model", metavar="PATH",
+              help="Model bundle (default: $SLURMGPU_MODEL, the config's site.model_path, then the personal one).")
+@click.option("--run-as", metavar="USER", help="Once the socket is bound, drop root and run as USER.")
+@click.option("--reload-s", type=click.FloatRange(0.2, 300), default=2.0, show_default=True,
+              help="How often the model file is checked for a new version.")
+@click.pass_context
+def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm_user: str, model: str | None,
+              run_as: str | None, reload_s: float) -> None:
+    """Answer GPU decisions on a Unix socket, for job_submit.lua and gsbatch (until SIGTERM).
+
+    One JSON object per line: {"op": "decide", "job": {...}} or {"op": "health"}; see
+    `pydoc slurmgpu.apps.serve` for the fields. One log line per decision goes to stderr.
+    """
+    from slurmgpu.apps import serve
+    from slurmgpu.apps.gsbatch import model_path
+    from slurmgpu.cli.main import _config
+    from slurmgpu.slurm.backend import CliBackend
+
+    try:
+        file_mode = int(mode, 8)
+    except ValueError:
+        file_mode = -1
+    if not 0 <= file_mode <= 0o777:
+        _fail(InputError(f"invalid mode {mode!r} (expected octal, e.g. 0660)", option="--mode"))
+    config = _config(ctx)
+    assert config is not None
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s slurmgpu serve: %(message)s")
+    try:
+        access = serve.access_for(group, slurm_user, run_as)
+        service = serve.Service(config, model or model_path(config, os.environ), CliBackend().free_gpus, reload_s)
+        server = serve.Server(socket_path, service, access, file_mode)
+    except (InputError, OSError) as exc:
+        _fail(exc)
+    serve.run(server, run_as)
+
+
+@click.group("lua")
+def lua_group() -> None:
+    """The job_submit.lua hook: slurmctld asks `slurmgpu serve` about each GPU batch job."""
+
+
+@lua_group.command("render")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="File to write: /etc/slurm/job_submit.lua.")
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True, help="The daemon's socket.")
+@click.option("--timeout-ms", type=click.IntRange(10, 5000), default=200, show_default=True,
+              help="Longest slurmctld waits for the daemon, per job.")
+@click.option("--backoff-s", type=click.IntRange(0, 3600), default=10, show_default=True,
+              help="After a failure, jobs pass through without asking for this long.")
+@click.option("--dry-run", is_flag=True, help="Log what would change; change no job.")
+@click.option("--partitions", metavar="P,Q", help="Only jobs in these partitions (default: all).")
+@click.option("--accounts", metavar="A,B", help="Only jobs of these accounts (default: all).")
+@click.option("--users", metavar="U,V", help="Only jobs of these users, names or uids (default: all).")
+@click.option("--disabled", is_flag=True, help="Render a hook that passes every job through.")
+def lua_render(out: str, socket_path: str, timeout_ms: int, backoff_s: int, dry_run: bool, partitions: str | None,
+               accounts: str | None, users: str | None, disabled: bool) -> None:
+    """Write job_submit.lua for slurmctld (needs Debian's lua-socket on the slurmctld host)."""
+    from slurmgpu.apps.gsbatch import DECIDED_MARKER
+
+    text = render("lua/job_submit.lua.j2", enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
+                  socket=_check("--socket", socket_path), timeout_ms=timeout_ms, backoff_s=backoff_s,
+                  marker=DECIDED_MARKER, partitions=_names("--partitions", partitions),
+                  accounts=_names("--accounts", accounts), users=_names("--users", users))
+    _write(out, text)
+
+
+@click.command("serve")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Directory to write into.")
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+@click.option("--group", default="slurm", show_default=True, help="Group whose members may ask.")
+@click.option("--run-as", default="slurmgpu", show_default=True, help="Account the daemon runs as once bound.")
+@click.option("--config-path", default="/etc/slurmgpu/slurmgpu.toml", show_default=True)
+@click.option("--bin", "bin_path", help="The slurmgpu executable (default: the one on PATH).")
+def render_serve_cmd(out: str, socket_path: str, group: str, run_as: str, config_path: str,
+                     bin_path: str | None) -> None:
+    """Write slurmgpu-serve.service, the systemd unit of the decision daemon."""
+    socket_dir = os.path.dirname(_check("--socket", socket_path))
+    runtime = socket_dir.removeprefix("/run/") if re.fullmatch(r"/run/[A-Za-z0-9_.-]+", socket_dir) else None
+    text = render("systemd/slurmgpu-serve.service.j2", socket=socket_path, socket_dir=socket_dir,
+                  runtime_dir=runtime, group=_check("--group", group, _NAME),
+                  run_as=_check("--run-as", run_as, _NAME), config=_check("--config-path", config_path),
+                  bin=_check("--bin", bin_path or os.path.abspath(shutil.which("slurmgpu") or sys.argv[0])))
+    os.makedirs(out, exist_ok=True)
+    _write(os.path.join(out, "slurmgpu-serve.service"), text)

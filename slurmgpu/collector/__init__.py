@@ -1,0 +1,1 @@
+"""The NVML collector (slurmgpu-monitor): device layer and per-job records."""

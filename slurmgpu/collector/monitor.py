@@ -1,0 +1,586 @@
+"""slurmgpu-monitor: what each job really used of its GPUs, one JSON record per job and node.
+
+The learner needs peak memory and utilisation per job; accounting does not keep them. A collector
+runs beside each job (started by the Slurm Prolog, or by the job itself), samples NVML every few
+seconds and, when the job ends, writes one record atomically into a spool directory for the ingest.
+It must never make a job fail, so every failure is one warning line on stderr and exit status 0.
+Only the standard library is imported up front; pynvml is imported when the real GPUs are asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, NamedTuple, Protocol, get_args, get_type_hints
+
+from slurmgpu.pipeline.spool import atomic_write
+
+SCHEMA_VERSION = 1
+MIB = 1024 * 1024
+# Where Slurm (or CUDA) says which GPUs are the job's; the first one set wins. Inside a job with
+# ConstrainDevices, CUDA_VISIBLE_DEVICES counts only the job's GPUs, as NVML does there; in the
+# Prolog only SLURM_JOB_GPUS is set, with node-wide indices, as NVML counts outside the cgroup.
+GPU_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "GPU_DEVICE_ORDINAL")
+_JOB_ID = re.compile(r"\d+(?:[_+]\d+)?")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_WARNING = "slurmgpu-monitor: warning:"
+
+
+class DeviceError(RuntimeError):
+    """The GPUs could not be read (no NVML, no driver, a GPU lost mid-run, a broken trace)."""
+
+
+class TraceEnded(Exception):
+    """A recorded trace has no more samples: for a replay, the job has ended."""
+
+
+class DeviceInfo(NamedTuple):
+    index: int
+    uuid: str
+    name: str
+    memory_total: int  # bytes
+
+
+class Sample(NamedTuple):
+    memory_used: int  # bytes, the whole device
+    util: float  # percent of time a kernel ran
+    proc_memory: int | None  # bytes used by the job's processes; None where the driver does not say
+
+
+class GpuDevices(Protocol):
+    def devices(self) -> list[DeviceInfo]: ...
+
+    def sample(self, index: int, pids: Collection[int] | None) -> Sample: ...
+
+    def close(self) -> None: ...
+
+
+def _proc_memory(procs: Iterable[tuple[int, int | None]], pids: Collection[int] | None) -> int | None:
+    """Bytes used by ``pids`` (every process when None); None when a figure is withheld."""
+    total = 0
+    for pid, used in procs:
+        if pids is None or pid in pids:
+            if used is None:
+                return None
+            total += used
+    return total
+
+
+class NvmlDevices:
+    """The real GPUs through NVML (the nvidia-ml-py package)."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+        except ImportError as exc:
+            raise DeviceError(f"NVML unavailable: {exc}") from None
+        self._nvml = pynvml
+        self._handles: dict[int, Any] = {}
+        with self._errors():
+            pynvml.nvmlInit()
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except self._nvml.NVMLError as exc:
+            raise DeviceError(f"NVML failed: {exc}") from None
+
+    def devices(self) -> list[DeviceInfo]:
+        nv, found = self._nvml, []
+        with self._errors():
+            for i in range(nv.nvmlDeviceGetCount()):
+                try:
+                    handle = nv.nvmlDeviceGetHandleByIndex(i)
+                except nv.NVMLError_NoPermission:
+                    continue  # another job's GPU, behind this job's device cgroup
+                self._handles[i] = handle
+                found.append(DeviceInfo(i, _text(nv.nvmlDeviceGetUUID(handle)), _text(nv.nvmlDeviceGetName(handle)),
+                                        int(nv.nvmlDeviceGetMemoryInfo(handle).total)))
+        return found
+
+    def sample(self, index: int, pids: Collection[int] | None) -> Sample:
+        nv, handle = self._nvml, self._handles[index]
+        with self._errors():
+            used = int(nv.nvmlDeviceGetMemoryInfo(handle).used)
+            util = float(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+            try:
+                procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+            except nv.NVMLError_NotSupported:
+                return Sample(used, util, None)
+        return Sample(used, util, _proc_memory(((p.pid, p.usedGpuMemory) for p in procs), pids))
+
+    def close(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):  # the samples are taken; do not lose them here
+            self._nvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    """Old pynvml releases answer bytes, current ones str."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RecordedDevices:
+    """A recorded trace replayed sample by sample, so tests and the demo run without a GPU.
+
+    The trace is JSON shaped like NVML's answers::
+
+        {"devices": [{"index": 0, "uuid": "GPU-...", "name": "...", "memory": {"total": BYTES},
+                      "samples": [{"memory": {"used": BYTES}, "utilization": {"gpu": PERCENT},
+                                   "processes": [{"pid": PID, "usedGpuMemory": BYTES}, ...]}, ...]}]}
+
+    ``"processes": null`` stands for NVML_ERROR_NOT_SUPPORTED. Each sample() call returns the
+    device's next sample; past the last it raises TraceEnded.
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                trace = json.load(f)
+            self._devices = [DeviceInfo(int(d["index"]), str(d["uuid"]), str(d["name"]), int(d["memory"]["total"]))
+                             for d in trace["devices"]]
+            self._samples = {
+                int(d["index"]): [(int(s["memory"]["used"]), float(s["utilization"]["gpu"]),
+                                   None if s["processes"] is None
+                                   else [(int(p["pid"]), p["usedGpuMemory"]) for p in s["processes"]])
+                                  for s in d["samples"]]
+                for d in trace["devices"]}
+        except (OSError, ValueError, LookupError, TypeError) as exc:
+            raise DeviceError(f"recorded trace {path}: {type(exc).__name__}: {exc}") from None
+        self._next = dict.fromkeys(self._samples, 0)
+
+    def devices(self) -> list[DeviceInfo]:
+        return list(self._devices)
+
+    def sample(self, index: int, pids: Collection[int] | None) -> Sample:
+        n = self._next[index]
+        if n >= len(self._samples[index]):
+            raise TraceEnded
+        self._next[index] = n + 1
+        used, util, procs = self._samples[index][n]
+        return Sample(used, util, None if procs is None else _proc_memory(procs, pids))
+
+    def close(self) -> None:
+        pass
+
+
+def select_gpus(devices: Sequence[DeviceInfo], env: Mapping[str, str]) -> list[DeviceInfo]:
+    """The job's GPUs, from the first of GPU_ENV_VARS that is set; all devices when none is.
+
+    Entries are indices or GPU UUIDs (a unique prefix is enough, as for CUDA; an ambiguous one
+    picks nothing). A set but empty
+    variable, or one naming nothing NVML sees (Slurm's ``NoDevFiles``), means no GPUs.
+    """
+    for var in GPU_ENV_VARS:
+        value = env.get(var)
+        if value is None:
+            continue
+        picked: list[DeviceInfo] = []
+        for word in (w.strip() for w in value.split(",")):
+            hits = [d for d in devices if (d.index == int(word) if word.isdigit() else d.uuid.startswith(word))]
+            if word and len(hits) == 1 and hits[0] not in picked:
+                picked.append(hits[0])
+        return picked
+    return list(devices)
+
+
+class GpuRecord(NamedTuple):
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: float
+    peak_mem_mib: float
+    peak_proc_mem_mib: float | None
+    mean_util: float
+    max_util: float
+    samples: int
+
+
+class Collected(NamedTuple):
+    samples: int
+    gpus: tuple[GpuRecord, ...]
+    peak_gpu_mem_mib: float
+    mean_gpu_util: float
+    max_gpu_util: float
+
+
+class JobRecord(NamedTuple):
+    """One job on one node: the spool file's content (schema version 1)."""
+
+    version: int
+    source: str
+    cluster: str
+    job_id: str
+    hostname: str
+    user: str | None
+    start: datetime
+    end: datetime
+    interval_s: float
+    samples: int
+    gpus: tuple[GpuRecord, ...]
+    peak_gpu_mem_mib: float
+    mean_gpu_util: float
+    max_gpu_util: float
+
+
+class _GpuStats:
+    """Running peak, sum and max for one GPU, so memory does not grow with the job's length."""
+
+    __slots__ = ("info", "n", "peak_mem", "peak_proc", "util_max", "util_sum")
+
+    def __init__(self, info: DeviceInfo) -> None:
+        self.info = info
+        self.n = self.peak_mem = 0
+        self.peak_proc: int | None = None
+        self.util_sum = self.util_max = 0.0
+
+    def add(self, s: Sample) -> None:
+        self.n += 1
+        self.peak_mem = max(self.peak_mem, s.memory_used)
+        if s.proc_memory is not None:
+            self.peak_proc = max(self.peak_proc or 0, s.proc_memory)
+        self.util_sum += s.util
+        self.util_max = max(self.util_max, s.util)
+
+    def record(self) -> GpuRecord:
+        i = self.info
+        return GpuRecord(i.index, i.uuid, i.name, i.memory_total / MIB, self.peak_mem / MIB,
+                         None if self.peak_proc is None else self.peak_proc / MIB,
+                         self.util_sum / self.n if self.n else 0.0, self.util_max, self.n)
+
+
+class Collector:
+    """Samples the job's GPUs every ``interval`` seconds until ``stop`` is set, ``pid`` exits,
+    ``duration`` has passed, or a replayed trace ends. Clock and sleep are injectable for tests;
+    the default sleep waits on ``stop`` so a signal ends it at once."""
+
+    def __init__(self, devices: GpuDevices, gpus: Sequence[DeviceInfo], interval: float = 5.0, *,
+                 duration: float | None = None, pid: int | None = None, stop: threading.Event | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] | None = None) -> None:
+        self.devices, self.interval, self.duration, self.pid = devices, interval, duration, pid
+        self.stop = stop or threading.Event()
+        self._clock = clock
+        self._sleep = sleep or self.stop.wait
+        self._stats = [_GpuStats(g) for g in gpus]
+        self._samples = 0
+        self._start = 0.0
+
+    def run(self) -> Collected:
+        self._start = self._clock()
+        try:
+            self._tick()
+            while True:
+                self._sleep(self._wait())
+                if self._done():
+                    break
+                self._tick()
+        except TraceEnded:
+            pass
+        return self._collected()
+
+    def _tick(self) -> None:
+        pids = _process_tree(self.pid) if self.pid is not None else None
+        taken = [self.devices.sample(s.info.index, pids) for s in self._stats]  # all or none, per tick
+        for stats, sample in zip(self._stats, taken, strict=True):
+            stats.add(sample)
+        self._samples += 1
+
+    def _wait(self) -> float:
+        if self.duration is None:
+            return self.interval
+        return max(0.0, min(self.interval, self._start + self.duration - self._clock()))
+
+    def _done(self) -> bool:
+        return (self.stop.is_set()
+                or (self.duration is not None and self._clock() - self._start >= self.duration)
+                or (self.pid is not None and not _alive(self.pid)))
+
+    def _collected(self) -> Collected:
+        gpus = tuple(s.record() for s in self._stats)
+        n = sum(s.n for s in self._stats)
+        return Collected(self._samples, gpus, max((g.peak_mem_mib for g in gpus), default=0.0),
+                         sum(s.util_sum for s in self._stats) / n if n else 0.0,
+                         max((g.max_util for g in gpus), default=0.0))
+
+
+def _stat(pid: int | str) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, ...); None once it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs; a zombie (exited, not yet reaped by its parent) does not."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+def _process_tree(root: int) -> frozenset[int]:
+    """``root`` and its descendants (NVML reports GPU memory per PID; the job's are below its PID)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(entry)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in tree:
+                tree.add(child)
+                todo.append(child)
+    return frozenset(tree)
+
+
+# ---- the spool record ------------------------------------------------------------------------
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def record_to_json(record: JobRecord) -> dict[str, Any]:
+    out = record._asdict()
+    out.update(start=_iso(record.start), end=_iso(record.end), gpus=[g._asdict() for g in record.gpus])
+    return out
+
+
+def record_filename(record: JobRecord) -> str:
+    return f"{record.cluster}_{record.job_id}_{record.hostname}.json"
+
+
+def write_record(record: JobRecord, spool: str) -> str:
+    """Write ``record`` into ``spool`` as ``<cluster>_<jobid>_<hostname>.json``, mode 0640; return its path."""
+    path = os.path.join(spool, record_filename(record))
+    atomic_write(path, (json.dumps(record_to_json(record), indent=2) + "\n").encode(), 0o640)
+    return path
+
+
+_KINDS = {int: "int", float: "number", str: "string", datetime: "ISO-8601 UTC time"}
+
+
+def _check(kind: Any, value: object) -> object:
+    """``value`` as a record field of type ``kind``; ValueError says what was expected."""
+    optional = type(None) in get_args(kind)
+    if optional:
+        if value is None:
+            return None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if kind is int and type(value) is int:
+        return value
+    if kind is float and type(value) in (int, float):
+        return float(value)  # type: ignore[arg-type]
+    if kind is str and isinstance(value, str):
+        return value
+    if kind is datetime and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            t = datetime.fromisoformat(value)
+            if t.utcoffset() == timedelta(0):
+                return t
+    raise ValueError(f"expected {_KINDS[kind]}{' or null' if optional else ''}, got {json.dumps(value)[:60]}")
+
+
+def _fields(cls: type[Any], obj: object, where: str) -> dict[str, object]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where or 'record'}: expected an object")
+    out = {}
+    for field, kind in get_type_hints(cls).items():
+        name = f"{where}.{field}" if where else field
+        if field not in obj:
+            raise ValueError(f"{name}: missing")
+        if field == "gpus":
+            if not isinstance(obj[field], list) or not obj[field]:
+                raise ValueError(f"{name}: expected a non-empty list")
+            out[field] = tuple(GpuRecord(**_fields(GpuRecord, g, f"gpus[{i}]")) for i, g in enumerate(obj[field]))
+            continue
+        try:
+            out[field] = _check(kind, obj[field])
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    return out
+
+
+def read_record(path: str) -> JobRecord:
+    """Read and validate one spool file; ValueError names the file and the offending field.
+
+    Unknown keys are ignored, so adding a field does not need a new version.
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    try:
+        if isinstance(data, dict) and data.get("version") != SCHEMA_VERSION:
+            raise ValueError(f"version: expected {SCHEMA_VERSION}, got {json.dumps(data.get('version'))}")
+        record = JobRecord(**_fields(JobRecord, data, ""))
+        if not _JOB_ID.fullmatch(record.job_id):
+            raise ValueError(f"job_id: expected a Slurm job id such as 123, 123_4 or 123+0, got {record.job_id!r}")
+        if record.end < record.start:
+            raise ValueError("end: before start")
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return record
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+def _warn(message: str) -> int:
+    print(f"{_WARNING} {' '.join(message.split())}", file=sys.stderr)
+    return 0
+
+
+def _job_id_from_env(env: Mapping[str, str]) -> str | None:
+    """As Slurm prints it: ``<array job>_<task>`` for an array task, else SLURM_JOB_ID.
+
+    The node Prolog may lack the array variables (slurm.conf(5) of 22.05 offers them only to
+    PrologSlurmctld); there an array task is recorded under its own id, sacct's JobIDRaw.
+    """
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slurmgpu-monitor", description="Per-job GPU usage collector for Slurm.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="sample the job's GPUs until it ends, then write its record")
+    run.add_argument("--job-id", help="default: SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID or SLURM_JOB_ID")
+    run.add_argument("--spool", required=True, help="directory the record is written into")
+    run.add_argument("--interval", type=_positive, default=5.0, help="seconds between samples (default 5)")
+    run.add_argument("--duration", type=_positive, help="stop after this many seconds")
+    run.add_argument("--pid", type=int, help="stop when this PID exits; count GPU memory of its process tree")
+    run.add_argument("--cluster", help="default: SLURM_CLUSTER_NAME")
+    run.add_argument("--run-dir", help="write <job id>.pid here, for `slurmgpu-monitor stop`")
+    run.add_argument("--recorded", metavar="TRACE.json", help="replay a recorded trace instead of NVML")
+    stop = sub.add_parser("stop", help="stop the job's collector (from an Epilog) and wait for its record")
+    stop.add_argument("--job-id", help="default: as for run")
+    stop.add_argument("--run-dir", required=True)
+    stop.add_argument("--wait", type=float, default=10.0, help="seconds to wait for it to finish (default 10)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.job_id = args.job_id or _job_id_from_env(os.environ)
+    if not args.job_id:
+        parser.error("--job-id is required outside a Slurm job")
+    if not _JOB_ID.fullmatch(args.job_id):
+        parser.error(f"--job-id: not a Slurm job id: {args.job_id!r}")
+    if args.command == "stop":
+        return _stop(args.run_dir, args.job_id, args.wait)
+    args.cluster = args.cluster or os.environ.get("SLURM_CLUSTER_NAME")
+    if not args.cluster or not _NAME.fullmatch(args.cluster):
+        parser.error(f"--cluster: need a cluster name (or SLURM_CLUSTER_NAME), got {args.cluster!r}")
+    return _run(args)
+
+
+def _pidfile(run_dir: str, job_id: str) -> str:
+    return os.path.join(run_dir, f"{job_id}.pid")
+
+
+def _run(args: argparse.Namespace) -> int:
+    spool = args.spool
+    if not os.path.isdir(spool) or not os.access(spool, os.W_OK | os.X_OK):
+        return _warn(f"job {args.job_id}: spool directory {spool} is missing or not writable; not collecting")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    pidfile = None
+    try:
+        if args.run_dir:
+            path = _pidfile(args.run_dir, args.job_id)
+            try:
+                atomic_write(path, f"{os.getpid()}\n".encode(), 0o644)
+            except OSError as exc:  # nothing could stop a collector without it
+                return _warn(f"job {args.job_id}: cannot write {path}: {exc.strerror or exc}; not collecting")
+            pidfile = path
+        record = _collect(args, stop)
+        if record is not None:
+            try:
+                write_record(record, spool)
+            except OSError as exc:
+                return _warn(f"job {args.job_id}: cannot write its record into {spool}: {exc.strerror or exc}")
+    except DeviceError as exc:
+        return _warn(f"job {args.job_id}: {exc}; no record written")
+    except Exception as exc:  # a bug here must still not fail the job
+        return _warn(f"job {args.job_id}: internal error {type(exc).__name__}: {exc}; no record written")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if pidfile:
+            with contextlib.suppress(OSError):
+                os.unlink(pidfile)
+    return 0
+
+
+def _collect(args: argparse.Namespace, stop: threading.Event) -> JobRecord | None:
+    devices: GpuDevices = RecordedDevices(args.recorded) if args.recorded else NvmlDevices()
+    try:
+        gpus = select_gpus(devices.devices(), os.environ)
+        if not gpus:
+            _warn(f"job {args.job_id}: no GPUs for this job on this node; nothing to collect")
+            return None
+        start = datetime.now(UTC)
+        got = Collector(devices, gpus, args.interval, duration=args.duration, pid=args.pid, stop=stop).run()
+        end = datetime.now(UTC)
+    finally:
+        devices.close()
+    if got.samples == 0:
+        _warn(f"job {args.job_id}: no samples taken; no record written")
+        return None
+    env = os.environ
+    return JobRecord(SCHEMA_VERSION, "nvml", args.cluster, args.job_id,
+                     env.get("SLURMD_NODENAME") or socket.gethostname(),
+                     env.get("SLURM_JOB_USER") or env.get("USER") or None,
+                     start, end, args.interval, *got)
+
+
+def _stop(run_dir: str, job_id: str, wait: float) -> int:
+    """SIGTERM the job's collector, then wait (bounded) so its record is on disk when the Epilog ends."""
+    pidfile = _pidfile(run_dir, job_id)
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except FileNotFoundError as exc:
+        missing = "no collector running" if exc.filename == pidfile else "collector already gone"
+        return _warn(f"job {job_id}: {missing} ({exc.filename})")
+    except (OSError, ValueError) as exc:
+        return _warn(f"job {job_id}: cannot read {pidfile}: {exc}")
+    if b"slurmgpu-monitor" not in cmdline and b"slurmgpu.collector.monitor" not in cmdline:
+        return _warn(f"job {job_id}: PID {pid} in {pidfile} is not a collector; not signalled")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError as exc:
+        return _warn(f"job {job_id}: cannot signal collector PID {pid}: {exc.strerror}")
+    deadline = time.monotonic() + wait
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return _warn(f"job {job_id}: collector PID {pid} still running after {wait:g} s")
+        time.sleep(0.05)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Accounting history: schema, migrations, ingest, spool drain, imports, queries."""

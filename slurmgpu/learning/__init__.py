@@ -1,0 +1,1 @@
+"""Training, evaluation and the model registry."""

@@ -1,0 +1,64 @@
+"""The model registry: versioned bundle files next to the active one, and their DB records."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Engine
+
+from slurmgpu.history.db import ModelVersion
+from slurmgpu.pipeline.bundle import Bundle
+from slurmgpu.pipeline.config import Config
+
+NAME = "slurmgpu"
+
+
+def register(engine: Engine, bundle: Bundle, active_path: str, active: bool) -> int:
+    """Write ``<model>-vN.json`` beside the active path, record it, and (if active) install it."""
+    from datetime import datetime
+
+    os.makedirs(os.path.dirname(os.path.abspath(active_path)) or ".", exist_ok=True)
+    with engine.begin() as conn:
+        version = (conn.execute(select(func.max(ModelVersion.version)).where(ModelVersion.name == NAME)).scalar()
+                   or 0) + 1
+        stem, ext = os.path.splitext(active_path)
+        path = f"{stem}-v{version}{ext or '.json'}"
+        bundle.save(path)
+        if active:
+            conn.execute(update(ModelVersion).where(ModelVersion.name == NAME).values(active=False))
+        start, end = bundle.data.get("window", [None, None])
+        conn.execute(ModelVersion.__table__.insert(), [{
+            "name": NAME, "version": version, "path": path, "features": bundle.data["features"],
+            "metrics": bundle.data.get("metrics", {}), "active": active,
+            "train_start": datetime.fromisoformat(start) if start else None,
+            "train_end": datetime.fromisoformat(end) if end else None,
+        }])
+    if active:
+        tmp = active_path + ".tmp"
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, active_path)
+    return version
+
+
+def current_metrics(path: str, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
+                    config: Config) -> dict[str, Any] | None:
+    """The installed model's metrics on the same held-out jobs; None when there is none usable."""
+    from slurmgpu.learning.train import evaluate
+
+    try:
+        old = Bundle.load(path)
+    except (OSError, ValueError, KeyError):
+        return None
+    return evaluate(old, train_rows, test_rows, config)
+
+
+def worse(new: dict[str, Any], old: dict[str, Any]) -> bool:
+    """Memory safety first (more under-predictions is worse), then runtime error."""
+    n_mem, o_mem = new.get("memory_under_prediction_rate"), old.get("memory_under_prediction_rate")
+    if n_mem is not None and o_mem is not None and n_mem > o_mem + 0.002:
+        return True
+    n_rt, o_rt = new.get("runtime_mdape"), old.get("runtime_mdape")
+    return n_rt is not None and o_rt is not None and n_rt > o_rt * 1.10

@@ -1,0 +1,238 @@
+"""Training and held-out evaluation of the models, from the history database (pandas here only).
+
+Every training row's history features are computed from strictly earlier jobs, as they would
+have been known at its submission; the bundle ships the statistics as of the end of training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+
+from slurmgpu.history.db import GpuUsage, Job, Submission
+from slurmgpu.pipeline.bundle import BUNDLE_VERSION, Bundle, TreeEnsemble, analytic_base_mib, family_base_mib
+from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.features import NUMERIC, HistoryStats, job_features, script_features
+
+USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
+
+
+def history_rows(engine: Engine) -> list[dict[str, Any]]:
+    """Jobs that ran on GPUs, with script features (from gsbatch's record or an imported
+    script) and their measured per-GPU peak memory, oldest first.
+
+    gsbatch records an array job under the id sbatch printed, so array tasks fall back to it.
+    """
+    from slurmgpu.history.queries import peak_of
+
+    stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.user, Job.submit_time, Job.state,
+                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib)
+            .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
+            .order_by(Job.submit_time, Job.job_id))
+    out = []
+    with engine.connect() as conn:
+        peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
+            select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
+            .group_by(GpuUsage.cluster, GpuUsage.job_id))}
+        records = {(c, j): (f, r) for c, j, f, r in conn.execute(
+            select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request))}
+        for r in conn.execute(stmt).mappings():
+            rec = records.get((r["cluster"], r["job_id"])) or (
+                records.get((r["cluster"], str(r["array_job_id"]))) if r["array_job_id"] is not None else None)
+            feats = ((rec[0] or {}).get("script") if rec else None)
+            if feats is None and r["comment"] and r["comment"].startswith("script:"):
+                feats = script_features(r["comment"][len("script:"):])
+            if feats is None:
+                continue
+            measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
+            peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
+            out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
+                        "gpu_type": r["gpu_type"], "gpus": r["gpu_count"], "elapsed": r["elapsed_s"],
+                        "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {}})
+    return out
+
+
+def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
+    """Out of GPU memory: Slurm's OUT_OF_MEMORY is about host memory; a GPU OOM is a failed job
+    whose measured peak reached the card (PyTorch raises and the job exits 1)."""
+    if row["state"] == "OUT_OF_MEMORY":
+        return True
+    card = _gpu(config, row["gpu_type"])["memory_gib"] * 1024
+    return row["state"] == "FAILED" and bool(row["peak"]) and card > 0 and row["peak"] >= 0.95 * card
+
+
+class _Running:
+    """Per-family and per-user statistics accumulated in submission order."""
+
+    def __init__(self) -> None:
+        self.fam: dict[str, dict[str, float]] = {}
+        self.usr: dict[str, dict[str, float]] = {}
+
+    def snapshot(self) -> HistoryStats:
+        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()},
+                            {k: {"n": v["n"], "overask": v["ask"] / max(v["use"], 1e-9)} for k, v in self.usr.items()})
+
+    @staticmethod
+    def _family_view(s: Mapping[str, float]) -> dict[str, float]:
+        n, m = s["n"], s["m"]
+        view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
+                "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
+                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
+                "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:"))}
+        var = s["tt"] - s["t"] ** 2 / m if m else 0.0
+        if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
+            b = (s["tp"] - s["t"] * s["p"] / m) / var
+            if b > 0:
+                a = (s["p"] - b * s["t"]) / m
+                view.update(a=a, b=b)
+        return view
+
+    def family_now(self, key: str) -> dict[str, float]:
+        s = self.fam.get(key)
+        return self._family_view(s) if s else {}
+
+    def user_now(self, user: str | None) -> dict[str, float]:
+        s = self.usr.get(user or "")
+        return {"n": s["n"], "overask": s["ask"] / max(s["use"], 1e-9)} if s else {}
+
+    def add(self, row: Mapping[str, Any], gpu_mem_mib: float) -> None:
+        key = row["script"]["family"]
+        s = self.fam.setdefault(key, dict.fromkeys(("n", "m", "oom", "lpmax", "ltmax", "lpsum", "t", "p", "tt",
+                                                    "tp", "tmin", "pmin"), 0.0))
+        s["n"] += 1
+        s[f"shape:{row['gpus']}x{row['gpu_type']}"] = 1.0  # the GPU counts and types it ran on
+        if row["state"] == "OUT_OF_MEMORY":
+            s["oom"] += 1
+        elif row["peak"]:
+            tokens = math.exp(row["script"]["log_tokens"])
+            lp = math.log(row["peak"])
+            s["m"] += 1
+            s["lpsum"] += lp
+            if lp >= s["lpmax"]:
+                s["lpmax"], s["ltmax"] = lp, row["script"]["log_tokens"]
+            if s["m"] == 1 or tokens < s["tmin"]:
+                s["tmin"], s["pmin"] = tokens, row["peak"]
+            elif tokens == s["tmin"]:
+                s["pmin"] = max(s["pmin"], row["peak"])
+            s["t"] += tokens
+            s["p"] += row["peak"]
+            s["tt"] += tokens * tokens
+            s["tp"] += tokens * row["peak"]
+        u = self.usr.setdefault(row["user"] or "", {"n": 0.0, "ask": 0.0, "use": 0.0})
+        u["n"] += 1
+        if row["peak"]:
+            u["ask"] += gpu_mem_mib
+            u["use"] += row["peak"]
+
+
+def _gpu(config: Config, name: str | None) -> dict[str, float]:
+    t = config.gpu_types.get(name or "")
+    return {"memory_gib": t.memory_gib, "relative_speed": t.relative_speed} if t else \
+        {"memory_gib": 0.0, "relative_speed": 1.0}
+
+
+def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[list[dict[str, Any]], HistoryStats]:
+    """Feature rows with history as of each job's submission, and the final snapshot."""
+    running = _Running()
+    examples = []
+    for row in rows:
+        gpu = _gpu(config, row["gpu_type"])
+        history = HistoryStats({row["script"]["family"]: running.family_now(row["script"]["family"])},
+                               {row["user"] or "": running.user_now(row["user"])})
+        request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"]}
+        gpus = max(int(row["gpus"]), 1)
+        f = job_features(row["script"], request, gpu, gpus, history, row["user"])
+        base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
+        oom = gpu_oom(row, config)
+        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
+        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"]}, gpu["memory_gib"] * 1024)
+    return examples, running.snapshot()
+
+
+def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, iterations: int = 400,
+        progress: Callable[[str], None] = lambda s: None) -> tuple[Bundle, list[dict[str, Any]]]:
+    """Fit both models; returns the bundle and the examples (for evaluation)."""
+    from catboost import CatBoostRegressor
+
+    examples, snapshot = build_examples(rows, config)
+    mem = [e for e in examples if e["peak"] and not e["oom"]]
+    run = [e for e in examples if e["state"] == "COMPLETED" and e["elapsed"]]
+    if len(mem) < 20 or len(run) < 20:
+        raise ValueError(f"too little history to train: {len(mem)} jobs with GPU memory, {len(run)} completed")
+    # The newest fifth calibrates the quantile (split conformal): trees fitted on older jobs, whose
+    # family bases rested on less history, are too optimistic about the upper tail of newer ones.
+    cut = int(len(mem) * 0.8)
+    fit_part, calib = mem[:cut], mem[cut:]
+    progress(f"memory model on {len(fit_part)} jobs, calibrated on {len(calib)}")
+    m_mem = CatBoostRegressor(iterations=iterations, depth=6, loss_function=f"Quantile:alpha={quantile}",
+                              verbose=0, allow_writing_files=False, thread_count=2, random_seed=0)
+    m_mem.fit([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part])
+    # Calibrated on jobs whose family has history: the only ones the decider acts on, and a first
+    # job of an unknown family (an analytic base) would otherwise set the margin for everyone.
+    known = [e for e in calib if _known(e, config)] or calib
+    gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in known)
+    calibration = max(gaps[min(int(math.ceil(quantile * (len(gaps) + 1))) - 1, len(gaps) - 1)], 0.0)
+    progress(f"runtime model on {len(run)} jobs")
+    m_run = CatBoostRegressor(iterations=iterations, depth=6, loss_function="RMSE", verbose=0,
+                              allow_writing_files=False, thread_count=2, random_seed=0)
+    m_run.fit([e["x"] for e in run], [math.log(max(e["elapsed"], 1)) for e in run])
+    bundle = Bundle({
+        "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
+        "memory": _shifted(TreeEnsemble.from_catboost(m_mem), calibration),
+        "runtime": TreeEnsemble.from_catboost(m_run),
+        "history": {"families": snapshot.families, "users": snapshot.users},
+        "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
+        "jobs": len(examples),
+    })
+    return bundle, examples
+
+
+_FAM_N = NUMERIC.index("fam_n")
+
+
+def _known(example: Mapping[str, Any], config: Config) -> bool:
+    return example["x"][_FAM_N] >= config.policy.min_history
+
+
+def _shifted(trees: dict[str, Any], by: float) -> dict[str, Any]:
+    """Add a constant to a tree ensemble's output (the conformal calibration)."""
+    return {**trees, "bias": trees["bias"] + by, "calibration": by}
+
+
+def split_by_time(rows: list[dict[str, Any]], test_days: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if not rows:
+        return [], []
+    cut = max(r["submit"] for r in rows) - timedelta(days=test_days)
+    return [r for r in rows if r["submit"] <= cut], [r for r in rows if r["submit"] > cut]
+
+
+def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
+             config: Config) -> dict[str, Any]:
+    """Held-out metrics: memory under-prediction rate, runtime error, and whether the chosen
+    type would have held the job (true peak within the card) where the user's request did."""
+    examples, _ = build_examples([*train_rows, *test_rows], config)
+    test_ids = {r["job_id"] for r in test_rows}
+    tests = [e for e in examples if e["job_id"] in test_ids]
+    all_mem = [e for e in tests if e["peak"] and not e["oom"]]
+    mem = [e for e in all_mem if _known(e, config)]
+    run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"] and _known(e, config)]
+
+    def under(items: list[dict[str, Any]]) -> float | None:
+        misses = sum(1 for e in items if e["base"] * math.exp(bundle.memory.predict(e["x"])) < e["peak"])
+        return misses / len(items) if items else None
+
+    ape = sorted(abs(math.exp(bundle.runtime.predict(e["x"])) - e["elapsed"]) / e["elapsed"] for e in run)
+    return {
+        "test_jobs": len(tests),
+        "memory_jobs": len(mem),  # jobs of families with history: the ones decisions are made for
+        "memory_under_prediction_rate": under(mem),
+        "memory_under_prediction_rate_all_families": under(all_mem),
+        "runtime_jobs": len(run),
+        "runtime_mdape": ape[len(ape) // 2] if ape else None,
+    }
+

@@ -1,0 +1,1 @@
+"""Submit-time path, standard library only: script -> request -> features -> decision -> rewrite."""

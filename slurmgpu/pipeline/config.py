@@ -1,0 +1,203 @@
+"""The admin's one config file: GPU types, partitions and policy knobs (TOML).
+
+Looked up from ``--config``, then ``$SLURMGPU_CONFIG``, then ``/etc/slurmgpu/slurmgpu.toml``.
+Everything is validated on load so that a typo is reported once, with the key that holds it,
+instead of surfacing as a wrong decision later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from slurmgpu.pipeline.errors import ConfigError
+
+SYSTEM_CONFIG = "/etc/slurmgpu/slurmgpu.toml"  # a str: pathlib costs gsbatch start-up time
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+DECIDERS = ("keep", "rules", "model")
+OBJECTIVES = ("fastest", "cheapest", "balanced")
+
+
+class GpuType(NamedTuple):
+    name: str
+    memory_gib: float
+    relative_speed: float = 1.0
+    cost: float = 1.0
+    features: tuple[str, ...] = ()
+
+
+class Partition(NamedTuple):
+    name: str
+    gpu_types: tuple[str, ...]
+    gpus_per_node: int
+    nodes: int = 1
+    default: bool = False
+
+
+class Policy(NamedTuple):
+    decider: str = "rules"
+    objective: str = "balanced"
+    min_gain: float = 0.10
+    memory_margin: float = 0.10
+    min_history: int = 3  # jobs of a family before its predictions are trusted
+    scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
+
+
+class Site(NamedTuple):
+    """Where this site keeps its history; None means 'the personal default'."""
+
+    cluster: str | None = None
+    database_url: str | None = None
+    submission_spool: str | None = None
+    gpu_spool: str | None = None
+    model_path: str | None = None
+
+
+class Config(NamedTuple):
+    path: str
+    gpu_types: Mapping[str, GpuType]
+    partitions: Mapping[str, Partition]
+    policy: Policy = Policy()
+    site: Site = Site()
+
+    @property
+    def default_partition(self) -> str | None:
+        for p in self.partitions.values():
+            if p.default:
+                return p.name
+        return None
+
+    def partitions_with(self, gpu_type: str) -> list[Partition]:
+        return [p for p in self.partitions.values() if gpu_type in p.gpu_types]
+
+    def gpu_features(self) -> set[str]:
+        """Node feature names that mean a GPU type (for --constraint)."""
+        return {f for t in self.gpu_types.values() for f in (t.name, *t.features)}
+
+    def type_for_feature(self, feature: str) -> str | None:
+        for t in self.gpu_types.values():
+            if feature.lower() in {t.name.lower(), *(f.lower() for f in t.features)}:
+                return t.name
+        return None
+
+
+def find_config(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The config file to use, or None when none is installed (an explicit path must exist)."""
+    env = os.environ if env is None else env
+    if explicit:
+        return explicit
+    if env.get("SLURMGPU_CONFIG"):
+        return env["SLURMGPU_CONFIG"]
+    return SYSTEM_CONFIG if os.path.exists(SYSTEM_CONFIG) else None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    path = str(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config file not found", file=path) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config: {exc.strerror}", file=path) from None
+    except tomllib.TOMLDecodeError as exc:
+        line = getattr(exc, "lineno", None)
+        raise ConfigError(f"invalid TOML: {getattr(exc, 'msg', exc)}", file=path, line=line) from None
+    return parse_config(raw, path)
+
+
+class _Table:
+    """Reads one TOML table, naming the full key in every error and refusing unknown keys."""
+
+    def __init__(self, raw: Any, where: str, path: str) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError("must be a table", file=path, option=where)
+        self.raw, self.where, self.path = raw, where, path
+        self.used: set[str] = set()
+
+    def _err(self, key: str, msg: str) -> ConfigError:
+        return ConfigError(msg, file=self.path, option=f"{self.where}.{key}" if self.where else key)
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        self.used.add(key)
+        if key not in self.raw:
+            if default is ...:
+                raise self._err(key, "missing")
+            return default
+        value = self.raw[key]
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise self._err(key, f"expected {getattr(kind, '__name__', kind)}, got a boolean")
+        if not isinstance(value, kind):
+            raise self._err(key, f"expected {getattr(kind, '__name__', 'a number')}, got {type(value).__name__}")
+        return value
+
+    def number(self, key: str, default: Any = ..., *, low: float = 0.0, above: bool = True) -> float:
+        value = float(self.get(key, (int, float), default))
+        if value < low or (above and value == low):
+            raise self._err(key, f"must be {'>' if above else '>='} {low:g}, got {value:g}")
+        return value
+
+    def names(self, key: str, default: Any = ...) -> tuple[str, ...]:
+        value = self.get(key, list, default)
+        for v in value:
+            if not isinstance(v, str) or not _NAME.match(v):
+                raise self._err(key, f"invalid name {v!r}")
+        return tuple(value)
+
+    def done(self) -> None:
+        for key in self.raw:
+            if key not in self.used:
+                raise self._err(key, "unknown key")
+
+
+def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
+    top = _Table(dict(raw), "", path)
+    types: dict[str, GpuType] = {}
+    for name, body in top.get("gpu_types", dict).items():
+        if not _NAME.match(name):
+            raise ConfigError(f"invalid GPU type name {name!r}", file=path, option="gpu_types")
+        t = _Table(body, f"gpu_types.{name}", path)
+        types[name] = GpuType(name, t.number("memory_gib"), t.number("relative_speed", 1.0),
+                              t.number("cost", 1.0), t.names("features", []))
+        t.done()
+    if not types:
+        raise ConfigError("no GPU types defined", file=path, option="gpu_types")
+    parts: dict[str, Partition] = {}
+    for name, body in top.get("partitions", dict).items():
+        if not _NAME.match(name):
+            raise ConfigError(f"invalid partition name {name!r}", file=path, option="partitions")
+        t = _Table(body, f"partitions.{name}", path)
+        offered = t.names("gpu_types")
+        for g in offered:
+            if g not in types:
+                raise t._err("gpu_types", f"unknown GPU type {g!r} (not in [gpu_types])")
+        per_node = t.get("gpus_per_node", int)
+        nodes = t.get("nodes", int, 1)
+        if per_node < 1 or nodes < 1:
+            raise t._err("gpus_per_node" if per_node < 1 else "nodes", "must be at least 1")
+        parts[name] = Partition(name, offered, per_node, nodes, t.get("default", bool, False))
+        t.done()
+    if sum(p.default for p in parts.values()) > 1:
+        raise ConfigError("more than one partition has default = true", file=path, option="partitions")
+    pol = _Table(top.get("policy", dict, {}), "policy", path)
+    policy = Policy(
+        decider=pol.get("decider", str, "rules"),
+        objective=pol.get("objective", str, "balanced"),
+        min_gain=pol.number("min_gain", 0.10, above=False),
+        memory_margin=pol.number("memory_margin", 0.10, above=False),
+        min_history=int(pol.number("min_history", 3, above=False)),
+        scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),
+    )
+    if policy.decider not in DECIDERS:
+        raise pol._err("decider", f"must be one of {', '.join(DECIDERS)}, got {policy.decider!r}")
+    if policy.objective not in OBJECTIVES:
+        raise pol._err("objective", f"must be one of {', '.join(OBJECTIVES)}, got {policy.objective!r}")
+    pol.done()
+    st = _Table(top.get("site", dict, {}), "site", path)
+    site = Site(*(st.get(key, str, None) for key in Site._fields))
+    st.done()
+    top.done()
+    return Config(path, types, parts, policy, site)

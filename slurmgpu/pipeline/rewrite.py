@@ -1,0 +1,182 @@
+"""Apply a decision to the script, command line and environment that sbatch will see.
+
+Each changed value is changed where it was set — a script directive, a command-line word or
+an ``SBATCH_*`` variable — because sbatch lets the command line override the environment and
+the environment override the script. New text comes from the Jinja templates in
+``templates/rewrite``; the user's script is only ever sliced and concatenated, never rendered,
+so nothing in it (``{{ }}`` included) can be interpreted. Everything not changed stays
+byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from functools import cache
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from slurmgpu.pipeline.policy import ComponentChange, Decision
+from slurmgpu.pipeline.request import ComponentRequest, GpuAsk, JobRequest, Origin
+from slurmgpu.pipeline.sbatch_options import BY_NAME, ENV_BY_OPTION
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_.,:/@%+=-]*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RewriteError(RuntimeError):
+    """The decision cannot be expressed in the user's syntax; the job goes as written."""
+
+
+def templates_dir() -> str:
+    """Templates ship inside the wheel; a source checkout reads the top-level folder."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the slurmgpu package
+    packaged = os.path.join(here, "_templates")
+    return packaged if os.path.isdir(packaged) else os.path.join(os.path.dirname(here), "templates")
+
+
+def sbatch_quote(value: object) -> str:
+    """Quote a value so sbatch's directive tokenizer reads it back as one word."""
+    text = str(value)
+    if _PLAIN.match(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def comment_safe(value: object) -> str:
+    """Make a value safe inside a one-line shell comment."""
+    return _CONTROL.sub("?", str(value))
+
+
+@cache
+def _macros() -> Any:
+    import jinja2  # deferred: a job whose request stands never pays for the import
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(templates_dir()),
+        autoescape=False,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    env.filters["sbatch_quote"] = sbatch_quote
+    env.filters["comment"] = comment_safe
+    return env.get_template("rewrite/directives.j2").module
+
+
+class Submission(NamedTuple):
+    """What gsbatch hands to sbatch: script text, command-line words and environment changes."""
+
+    script_text: str | None
+    cli_words: list[str]
+    env_overrides: Mapping[str, str] = MappingProxyType({})
+    changed: bool = False
+
+
+def describe(comp: ComponentRequest) -> str:
+    """A short human form of a component's GPU request, for notes and provenance."""
+    asks = ", ".join(_ask_text(g) for g in comp.gpus) or "no GPUs"
+    return f"{asks} in partition {comp.partition or '(default)'}"
+
+
+def _ask_text(g: GpuAsk) -> str:
+    kind = f"{g.type}:" if g.type else ""
+    return f"--{g.option}={'gpu:' if g.option == 'gres' else ''}{kind}{g.count}"
+
+
+def _new_gpu_value(comp: ComponentRequest, change: ComponentChange) -> tuple[GpuAsk, str]:
+    """The new value for the component's GPU option, in the unit the user chose."""
+    ask = comp.gpus[0]
+    if len({g.option for g in comp.gpus}) > 1:
+        raise RewriteError("GPUs requested through several options; not rewritten")
+    total = change.gpus_total if change.gpus_total is not None else comp.gpus_total
+    unit = comp.multiplier(ask.per)
+    if total % unit:
+        raise RewriteError(f"{total} GPUs cannot be split evenly over {unit} {ask.per}s")
+    count = total // unit
+    if change.gpu_type and comp.constraint_gpu_types and change.gpu_type not in comp.constraint_gpu_types:
+        raise RewriteError(f"--constraint pins GPU type {','.join(comp.constraint_gpu_types)}; not rewritten")
+    gtype = change.gpu_type or (ask.type if len(comp.gpu_types) <= 1 else None)
+    if ask.option == "gres":
+        gpu = f"gpu:{gtype}:{count}" if gtype else f"gpu:{count}"
+        return ask, ",".join([gpu, *ask.other_gres])
+    return ask, f"{gtype}:{count}" if gtype else str(count)
+
+
+class _Edits:
+    """Collected edits, applied at the end so offsets stay valid."""
+
+    def __init__(self) -> None:
+        self.script: list[tuple[int, int, str]] = []  # (start, end, text)
+        self.cli: dict[int, tuple[int, str]] = {}  # first word -> (last word, text)
+        self.cli_prepend: list[str] = []
+        self.env: dict[str, str] = {}
+
+
+def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, edits: _Edits) -> None:
+    origin: Origin | None = comp.options[name].origin if name in comp.options else None
+    m = _macros()
+    if origin is None:
+        if req.script is None:
+            edits.cli_prepend.append(m.option(name, value))
+            return
+        # Not set anywhere: a new directive after the component's last one (or the shebang).
+        lines = [d.line for d in req.script.component_directives(comp.index)]
+        at = req.script.line_end(max(lines) if lines else 1)
+        edits.script.append((at, at, m.directive(name, value) + "\n"))
+    elif origin.source == "script":
+        assert req.script is not None
+        d = [d for d in req.script.component_directives(comp.index) if d.name == name and d.line == origin.line][-1]
+        edits.script.append((d.start, d.end, m.option(name, value)))
+    elif origin.source == "env":
+        edits.env[ENV_BY_OPTION[name]] = value
+    else:
+        assert origin.index is not None and origin.last is not None
+        word = req.cli_words[origin.index]
+        if not word.startswith("--") and not word.startswith("-" + (BY_NAME[name].short or "")):
+            raise RewriteError(f"{name} is set inside the option cluster {word!r}; not rewritten")
+        edits.cli[origin.index] = (origin.last, "--" + name + "=" + value)
+
+
+def apply(req: JobRequest, decision: Decision) -> Submission:
+    """Render the submission for a decision; the keep decision returns the input untouched."""
+    original = req.script.text if req.script else None
+    if not decision.changed:
+        return Submission(original, list(req.cli_words))
+    if req.script is not None and req.script.keep_marker:
+        return Submission(original, list(req.cli_words))
+    edits = _Edits()
+    was, now = [], []
+    for change in decision.changes:
+        comp = req.components[change.index]
+        was.append(describe(comp))
+        if change.gpu_type is not None or change.gpus_total is not None:
+            ask, value = _new_gpu_value(comp, change)
+            _set_option(req, comp, ask.option, value, edits)
+        if change.partition is not None:
+            _set_option(req, comp, "partition", change.partition, edits)
+        now.append(_describe_after(comp, change))
+    text = original
+    if req.script is not None and original is not None:
+        edits.script.append((req.script.line_end(1), req.script.line_end(1),
+                             _macros().provenance("; ".join(was), "; ".join(now), decision.reasons, decision.decider)))
+        for start, end, new in sorted(edits.script, key=lambda e: (e[0], e[1]), reverse=True):
+            text = text[:start] + new + text[end:]
+    words = list(edits.cli_prepend)
+    i = 0
+    while i < len(req.cli_words):
+        if i in edits.cli:
+            last, new = edits.cli[i]
+            words.append(new)
+            i = last + 1
+            continue
+        words.append(req.cli_words[i])
+        i += 1
+    return Submission(text, words, edits.env, changed=True)
+
+
+def _describe_after(comp: ComponentRequest, change: ComponentChange) -> str:
+    gtype = change.gpu_type or comp.gpu_type
+    total = change.gpus_total if change.gpus_total is not None else comp.gpus_total
+    part = change.partition or comp.partition or "(default)"
+    return f"{total} x {gtype or 'any'} GPU{'s' if total != 1 else ''} in partition {part}"

@@ -1,0 +1,234 @@
+"""Read a batch script the way sbatch reads it.
+
+sbatch only honours ``#SBATCH`` at the very start of a line, and only until the first line
+that is neither blank nor a comment; each directive line is split into words with sbatch's own
+quoting rules (quotes group, backslash escapes, an unquoted ``#`` starts a comment). A line
+whose first word is ``hetjob`` (or the older ``packjob``) starts the next heterogeneous
+component, and nothing else on that line is read.
+Every word keeps its character span, so a rewrite can replace exactly the words it must.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.sbatch_options import OptionError, split_options
+
+MAGIC = "#SBATCH"
+KEEP_MARKER = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
+_LOOKS_LIKE_DIRECTIVE = re.compile(r"^[ \t]*#+[ \t]*sbatch", re.IGNORECASE)
+_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)  # as a line's first word
+_SPACE = frozenset(" \t\n\v\f\r")  # C's isspace(), not Unicode's
+
+# sbatch's own words for scripts it refuses (src/sbatch/sbatch.c).
+NOT_A_SCRIPT = ("This does not look like a batch script.  The first line must start with #! "
+                "followed by the path to an interpreter.")
+DOS_BREAKS = "Batch script contains DOS line breaks (\\r\\n) instead of expected UNIX line breaks (\\n)."
+EMPTY = "Batch script is empty!"
+NUL_CHAR = "The Slurm controller does not allow scripts that contain a NULL character '\\0'."
+
+
+class Word(NamedTuple):
+    """One word of a directive line: its unquoted text and where it stands in the script."""
+
+    text: str
+    start: int  # offset into BatchScript.text
+    end: int
+
+
+class Directive(NamedTuple):
+    """One option set by a ``#SBATCH`` line."""
+
+    line: int
+    component: int
+    name: str  # canonical long option name (or the word itself when sbatch has no such option)
+    value: str | None
+    words: tuple[Word, ...]  # the one or two words that spell it
+    known: bool = True
+
+    @property
+    def start(self) -> int:
+        return self.words[0].start
+
+    @property
+    def end(self) -> int:
+        return self.words[-1].end
+
+
+class IgnoredDirective(NamedTuple):
+    line: int
+    text: str
+    reason: str
+
+
+class BatchScript(NamedTuple):
+    """A parsed batch script; ``text`` round-trips to the exact original bytes."""
+
+    path: str
+    text: str
+    shebang: str
+    directives: tuple[Directive, ...]
+    ignored: tuple[IgnoredDirective, ...]
+    components: int
+    first_command_line: int | None
+    line_starts: tuple[int, ...]
+    keep_marker: bool = False
+
+    @property
+    def data(self) -> bytes:
+        return encode(self.text)
+
+    def line_end(self, line: int) -> int:
+        """Offset just past line ``line``'s newline (or the end of the text)."""
+        return self.line_starts[line] if line < len(self.line_starts) else len(self.text)
+
+    def component_directives(self, component: int) -> list[Directive]:
+        return [d for d in self.directives if d.component == component]
+
+
+def decode(data: bytes) -> str:
+    """Bytes to text without losing any byte: invalid UTF-8 survives a round trip."""
+    return data.decode("utf-8", errors="surrogateescape")
+
+
+def encode(text: str) -> bytes:
+    return text.encode("utf-8", errors="surrogateescape")
+
+
+def read_script(path: str) -> BatchScript:
+    """Read and parse a script file; every failure is an InputError naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except IsADirectoryError:
+        raise InputError("is a directory, not a batch script", file=path) from None
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror}", file=path) from None
+    return parse_script(data, path)
+
+
+def check_acceptable(data: bytes, path: str) -> None:
+    """Refuse what sbatch refuses, with sbatch's reason."""
+    if not data:
+        raise InputError(EMPTY, file=path)
+    if b"\0" in data:
+        raise InputError(NUL_CHAR + " (binary file?)", file=path, line=data[: data.index(b"\0")].count(b"\n") + 1)
+    if not data.startswith(b"#!"):
+        raise InputError(NOT_A_SCRIPT, file=path, line=1)
+    if b"\r\n" in data:
+        raise InputError(DOS_BREAKS, file=path, line=data[: data.index(b"\r\n")].count(b"\n") + 1)
+
+
+def tokenize(text: str, start: int, end: int, path: str, lineno: int) -> list[Word]:
+    """Split text[start:end] into words as sbatch's _get_argument does."""
+    words: list[Word] = []
+    i = start
+    while True:
+        while i < end and text[i] in _SPACE:
+            i += 1
+        if i >= end:
+            return words
+        if text[i] == ":":
+            raise InputError("Unexpected `:`", file=path, line=lineno)
+        begin = i
+        out: list[str] = []
+        quote = ""
+        while i < end and (quote or text[i] not in _SPACE):
+            ch = text[i]
+            if ch == "\\":  # escapes the next character, but (unquoted) never a space
+                i += 1
+                if i < end and (quote or text[i] not in _SPACE):
+                    out.append(text[i])
+                    i += 1
+                continue
+            if quote:
+                if ch == quote:
+                    quote = ""
+                else:
+                    out.append(ch)
+                i += 1
+                continue
+            if ch in "\"'":
+                quote = ch
+                i += 1
+                continue
+            if ch == "#":
+                break
+            out.append(ch)
+            i += 1
+        if quote:
+            raise InputError(f"Unmatched `{quote}`", file=path, line=lineno)
+        if i > begin:
+            words.append(Word("".join(out), begin, i))
+        if i < end and text[i] == "#":
+            return words
+
+
+def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
+    """Parse script bytes into directives, ignored directive-like lines and components."""
+    check_acceptable(data, path)
+    text = decode(data)
+    starts = [0]
+    for m in re.finditer("\n", text):
+        starts.append(m.end())
+    if starts[-1] == len(text):
+        starts.pop()
+    directives: list[Directive] = []
+    ignored: list[IgnoredDirective] = []
+    component = 0
+    first_command: int | None = None
+    for idx, begin in enumerate(starts):
+        lineno = idx + 1
+        end = starts[idx + 1] - 1 if idx + 1 < len(starts) else len(text)
+        if end > begin and text[end - 1] == "\n":
+            end -= 1
+        line = text[begin:end]
+        if lineno == 1:
+            continue  # the shebang
+        if line.startswith(MAGIC):
+            if first_command is not None:
+                ignored.append(IgnoredDirective(lineno, line, f"after the first command (line {first_command})"))
+                continue
+            words = tokenize(text, begin + len(MAGIC), end, path, lineno)
+            if words and _HETJOB.fullmatch(words[0].text):
+                component += 1  # sbatch reads nothing else on a separator line
+                continue
+            directives.extend(_directives_of_line(words, lineno, component, path))
+            continue
+        stripped = line.lstrip(" \t\v\f\r")
+        if stripped and not stripped.startswith("#"):
+            if first_command is None:
+                first_command = lineno
+            continue
+        if _LOOKS_LIKE_DIRECTIVE.match(line):
+            why = (f"after the first command (line {first_command})" if first_command is not None
+                   else "not at the start of the line or not spelled #SBATCH exactly")
+            ignored.append(IgnoredDirective(lineno, line, why))
+    first_line_end = starts[1] - 1 if len(starts) > 1 else len(text)
+    return BatchScript(
+        path=path,
+        text=text,
+        shebang=text[:first_line_end],
+        directives=tuple(directives),
+        ignored=tuple(ignored),
+        components=component + 1,
+        first_command_line=first_command,
+        line_starts=tuple(starts),
+        keep_marker=bool(KEEP_MARKER.search(text)),
+    )
+
+
+def _directives_of_line(words: list[Word], lineno: int, component: int, path: str) -> list[Directive]:
+    try:
+        options, operand = split_options([w.text for w in words])
+    except OptionError as exc:
+        raise InputError(str(exc), file=path, line=lineno, option=exc.option) from None
+    found = [
+        Directive(lineno, component, o.name, o.value, tuple(words[o.first : o.last + 1]), o.known)
+        for o in options
+    ]
+    if operand < len(words):  # sbatch's own refusal of a stray word
+        raise InputError(f"Invalid directive found in batch script: {words[operand].text}", file=path, line=lineno)
+    return found

@@ -1,0 +1,1 @@
+"""Admin reports: queries over history and their rendering."""

@@ -1,0 +1,1 @@
+"""Workload model, cluster simulator, real-cluster replay and policy scenarios."""

@@ -1,0 +1,528 @@
+"""Four GPU-allocation policies side by side on one synthetic workload, through the cluster simulator.
+
+A policy can only be judged by what it does to a busy queue, which cannot be tried on a real
+cluster, so the same generated jobs are placed by each policy and replayed with
+``slurmgpu.simulation.simulator``. Every policy decides once, at submission, from what is known then; none
+sees the simulation (no feedback). How each job then behaves on the GPUs it got comes from the
+workload model: ``fits`` decides whether it runs out of GPU memory (it then dies after
+``simulate.OOM_AFTER_S``), ``runtime_s`` how long it runs, and it keeps its requested time limit
+(a job moved to a slower card may time out).
+
+The policies:
+
+- ``request``: the user's request stands.
+- ``rule``: a static rule an admin could write without history: the smallest card by memory
+  (the faster one on a tie) that holds ``RULE_SAFETY`` x the analytic estimate of the job's peak
+  (``models.analytic_base_mib`` of ``features.script_features``), same count; the requested
+  partition first, then any partition that admits the job's time limit. The estimate knows only
+  the parameter count, precision and tokens; the factor 1.2 is head-room for what it leaves out
+  (allocator slack, fragmentation, CUDA context growth). A job no card holds keeps its request.
+- ``slurmgpu``: ``ModelDecider`` with a bundle trained (``train.fit``) on the first
+  ``train_share`` of the jobs by submit time, their rows built as ``train.history_rows`` returns
+  them from what the collector and sacct would have recorded on the requested GPUs. Only the rest
+  is evaluated, under every policy. ``free_gpus`` is a constant: every GPU of every type free,
+  so the decider ranks by predicted runtime and cost alone (no queue awareness). When training is
+  impossible it falls back to ``RuleDecider`` and says so.
+- ``oracle``: knows each job's true peak memory and runtime. Among the types whose partition
+  admits the time limit, and counts up to the request, that truly fit, it picks the one with the
+  earliest estimated completion (a first-come-first-served ledger of its own earlier choices
+  with true runtimes), then the lowest runtime x GPUs x cost; it prefers candidates that finish
+  within the time limit. A job no card can hold keeps its request and runs out of memory under
+  every policy (reported as ``unfittable``).
+
+The decider's config (``scenario_config``) describes the scenario cluster with GPU types named as
+in gres.conf, memory from the catalog, and relative speed and cost derived from it (see
+``relative_speed`` and ``relative_cost``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+from xml.sax.saxutils import escape
+
+import numpy as np
+
+from slurmgpu.pipeline.bundle import analytic_base_mib
+from slurmgpu.pipeline.config import Config, GpuType, Partition, Policy
+from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.policy import Decider, ModelDecider, RuleDecider
+from slurmgpu.pipeline.request import JobRequest, build_request
+from slurmgpu.pipeline.script import parse_script
+from slurmgpu.reporting.report import IDLE_UTIL_PCT, PALETTE, _axis
+from slurmgpu.simulation.simulator import (
+    Efficiency,
+    SimCluster,
+    SimJob,
+    SimResult,
+    Summary,
+    efficiency,
+    simulate,
+    summarize,
+)
+from slurmgpu.simulation.workload import (
+    LARGE_CLUSTER,
+    ClusterSpec,
+    GpuSpec,
+    JobSpec,
+    fits,
+    generate,
+    load_catalog,
+    run_model,
+)
+from slurmgpu.simulation.workload.perf import peak_mem_mib, runtime_s, used_gpus
+from slurmgpu.simulation.workload.schedule import Outcome
+from slurmgpu.simulation.workload.schedule import simulate as history_runs
+
+RULE_SAFETY = 1.2
+REFERENCE_GPU = "A100-80"  # relative speed and cost 1
+USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")  # as train.history_rows keeps them
+
+
+class Scenario(NamedTuple):
+    name: str
+    cluster: ClusterSpec
+    jobs: int  # about this many are generated, at the cluster's own rate over the days it takes
+    seed: int = 1
+    start: datetime = datetime(2026, 11, 2)
+    train_share: float = 0.3
+    iterations: int = 400  # CatBoost iterations per model
+
+    @property
+    def days(self) -> float:
+        return self.jobs / self.cluster.jobs_per_day
+
+
+SCENARIOS = {
+    "default": Scenario("default", LARGE_CLUSTER, 50_000),
+    "small": Scenario("small", LARGE_CLUSTER, 2_000, iterations=100),
+}
+POLICIES = {"request": "honour request", "rule": "static rule", "slurmgpu": "slurmgpu decider", "oracle": "oracle"}
+
+
+class PolicyResult(NamedTuple):
+    name: str
+    placed: dict[str, Outcome]
+    note: str
+    results: list[SimResult]
+    summary: Summary
+    efficiency: Efficiency
+
+
+class Evaluation(NamedTuple):
+    scenario: Scenario
+    generated: int
+    train_jobs: int
+    jobs: list[JobSpec]  # the evaluated ones
+    decider: str  # "model", or "rules (fallback: why)"
+    unfittable: int  # jobs no card in the cluster can hold
+    config: Config
+    policies: list[PolicyResult]
+    seconds: float
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.jobs)
+
+
+# ---- the decider's view of the cluster --------------------------------------------------------
+
+def relative_speed(spec: GpuSpec) -> float:
+    """Geometric mean of sustained 16-bit tensor peak and memory bandwidth, relative to the
+    reference card: training steps are bound by one or the other (the workload model's roofline)."""
+    ref = load_catalog().gpu_types[REFERENCE_GPU]
+    return math.sqrt(spec.fp16_tflops * spec.sustained / (ref.fp16_tflops * ref.sustained)
+                     * spec.mem_bw_gbs / ref.mem_bw_gbs)
+
+
+def relative_cost(spec: GpuSpec) -> float:
+    """Half speed, half memory relative to the reference card: sites weigh a card's GPU-hour
+    (TRESBillingWeights) by what it computes and what it holds; this gives the sample config's
+    ratios (a100 : v100 : t4 about 1 : 0.4 : 0.2)."""
+    ref = load_catalog().gpu_types[REFERENCE_GPU]
+    return 0.5 * relative_speed(spec) + 0.5 * spec.memory_gib / ref.memory_gib
+
+
+def scenario_config(cluster: ClusterSpec) -> Config:
+    """The admin config for ``cluster``. A partition's ``gpus_per_node`` is its largest pool's
+    (the config has one number per partition); a decision that exceeds a node of its type is
+    caught where decisions are mapped to placements."""
+    cat = load_catalog()
+    types = {}
+    for part in cluster.partitions:
+        for pool in part.pools:
+            spec = cat.gpu_types[pool.gpu_type]
+            types[pool.gres] = GpuType(pool.gres, spec.memory_gib, round(relative_speed(spec), 3),
+                                       round(relative_cost(spec), 3))
+    parts = {p.name: Partition(p.name, tuple(pool.gres for pool in p.pools),
+                               max(pool.gpus_per_node for pool in p.pools),
+                               len({h for pool in p.pools for h in pool.hosts}), p.default)
+             for p in cluster.partitions}
+    return Config(f"<scenario {cluster.name}>", types, parts, Policy(decider="model"))
+
+
+def sim_cluster(cluster: ClusterSpec) -> SimCluster:
+    return SimCluster((pool.gpu_type, len(pool.hosts), pool.gpus_per_node)
+                      for part in cluster.partitions for pool in part.pools)
+
+
+def _admits(cluster: ClusterSpec, job: JobSpec, gpu_type: str, gpus: int) -> bool:
+    """Whether Slurm would run ``job`` on ``gpus`` x ``gpu_type``: one node holds them and the
+    partition's time limit admits the job's (a longer one stays pending for ever)."""
+    part = cluster.partition_for(gpu_type, job.partition)
+    return gpus <= cluster.pool(gpu_type, part.name).gpus_per_node and job.time_limit_s <= part.max_time_s
+
+
+def _memory_mib(gpu_type: str) -> float:
+    return load_catalog().gpu_types[gpu_type].memory_mib
+
+
+# ---- policies -----------------------------------------------------------------------------------
+
+def honour(jobs: Iterable[JobSpec]) -> dict[str, Outcome]:
+    return {j.job_id: Outcome(j.req_gpu_type, j.req_gpus) for j in jobs}
+
+
+def rule_estimate_mib(job: JobSpec, features: Mapping[str, Any]) -> float:
+    """The static rule's per-GPU need: the analytic estimate times the safety factor."""
+    return RULE_SAFETY * analytic_base_mib({**features, "gpus": float(job.req_gpus)})
+
+
+def static_rule(jobs: Iterable[JobSpec], cluster: ClusterSpec,
+                features: Mapping[str, Mapping[str, Any]]) -> dict[str, Outcome]:
+    """Smallest card holding the estimate, requested partition first; see the module docstring."""
+    cat = load_catalog()
+
+    def order(types: Iterable[str]) -> list[str]:
+        return sorted(types, key=lambda t: (cat.gpu_types[t].memory_gib, -relative_speed(cat.gpu_types[t])))
+
+    placed = {}
+    for job in jobs:
+        need = rule_estimate_mib(job, features[job.script])
+        own = order(pool.gpu_type for pool in cluster.partition_for(job.req_gpu_type, job.partition).pools)
+        rest = order(t for t in cluster.gpu_types() if t not in own)
+        choice = next((t for t in own + rest if _memory_mib(t) >= need and _admits(cluster, job, t, job.req_gpus)),
+                      job.req_gpu_type)
+        placed[job.job_id] = Outcome(choice, job.req_gpus)
+    return placed
+
+
+def training_rows(jobs: Sequence[JobSpec], cluster: ClusterSpec, features: Mapping[str, Mapping[str, Any]],
+                  requests: Mapping[str, JobRequest]) -> list[dict[str, Any]]:
+    """Rows as ``train.history_rows`` returns them, from the jobs' runs on the GPUs they asked for:
+    state and elapsed as sacct would show them, the per-GPU peak as the collector would."""
+    return [{"job_id": r.job.job_id, "user": r.job.user, "submit": r.job.submit_time, "state": r.state,
+             "gpu_type": cluster.gres_name(r.gpu_type), "gpus": r.gpus, "elapsed": r.elapsed_s,
+             "peak": r.peak_mem_mib, "script": features[r.job.script], "request": requests[r.job.script].to_json()}
+            for r in history_runs(jobs, cluster) if r.state in USED_STATES]
+
+
+def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: ClusterSpec, config: Config,
+                    features: Mapping[str, Mapping[str, Any]], requests: Mapping[str, JobRequest],
+                    iterations: int, progress: Callable[[str], None]) -> tuple[dict[str, Outcome], str, str]:
+    """Placements by slurmgpu's decider, which decider made them, and a note on what it changed."""
+    from slurmgpu.learning.train import fit
+
+    capacity: dict[str, int] = {}
+    for part in cluster.partitions:
+        for pool in part.pools:
+            capacity[pool.gres] = capacity.get(pool.gres, 0) + len(pool.hosts) * pool.gpus_per_node
+    deciders: dict[str, Decider] = {}
+    try:
+        bundle, _ = fit(training_rows(train, cluster, features, requests), config, iterations=iterations,
+                        progress=progress)
+        used = "model"
+
+        def decider(user: str) -> Decider:
+            return ModelDecider(config, bundle, lambda: capacity, user)
+    except (ValueError, ImportError) as exc:
+        used = f"rules (fallback: {exc})"
+        progress(f"cannot train the model decider ({exc}); falling back to the rule decider")
+
+        def decider(user: str) -> Decider:
+            return RuleDecider(config)
+
+    to_type = {pool.gres: pool.gpu_type for part in cluster.partitions for pool in part.pools}
+    decided: dict[tuple[str, str], Outcome] = {}  # (user, script): an array's tasks are one decision
+    placed, changed, infeasible = {}, 0, 0
+    for job in jobs:
+        key = (job.user, job.script)
+        if key not in decided:
+            choice = Outcome(job.req_gpu_type, job.req_gpus)
+            if job.user not in deciders:
+                deciders[job.user] = decider(job.user)
+            decision = deciders[job.user].decide(requests[job.script])
+            if decision.changes and not decision.refusal:
+                change = decision.changes[0]
+                gres = change.gpu_type or cluster.gres_name(job.req_gpu_type)
+                new = Outcome(to_type[gres], change.gpus_total or job.req_gpus)
+                if _admits(cluster, job, *new):
+                    choice = new
+                else:
+                    infeasible += 1
+            decided[key] = choice
+        placed[job.job_id] = decided[key]
+        changed += placed[job.job_id] != (job.req_gpu_type, job.req_gpus)
+    note = f"{used}; changed {changed:,} of {len(jobs):,} jobs"
+    return placed, used, note + (f"; {infeasible} decisions beyond a node kept as asked" if infeasible else "")
+
+
+def oracle(jobs: Sequence[JobSpec], cluster: ClusterSpec, cost: Mapping[str, float]) -> dict[str, Outcome]:
+    """Earliest estimated completion among truly fitting placements; see the module docstring."""
+    t0 = jobs[0].submit_time
+    free = {pool.gpu_type: np.zeros((len(pool.hosts), pool.gpus_per_node))
+            for part in cluster.partitions for pool in part.pools}
+    placed = {}
+    for job in jobs:
+        submit = (job.submit_time - t0).total_seconds()
+        best: tuple[tuple[bool, float, float], str, int, int] | None = None
+        peaks = [peak_mem_mib(job, job.req_gpu_type, k) for k in range(1, min(job.req_gpus, job.params["nproc"]) + 1)]
+        for gpu_type, slots in free.items():
+            ready_by_k = np.sort(slots, axis=1)  # column k-1: when k GPUs of each node are free
+            for k, peak in enumerate(peaks, 1):  # the same tensors on any card
+                if peak > _memory_mib(gpu_type) or not _admits(cluster, job, gpu_type, k):
+                    continue
+                ready = ready_by_k[:, k - 1]
+                host = int(ready.argmin())
+                run = runtime_s(job, gpu_type, k)
+                score = (run > job.time_limit_s, max(submit, float(ready[host])) + run, run * k * cost[gpu_type])
+                if best is None or score < best[0]:
+                    best = (score, gpu_type, k, host)
+        if best is None:
+            placed[job.job_id] = Outcome(job.req_gpu_type, job.req_gpus)
+            continue
+        (_, end, _), gpu_type, k, host = best
+        row = free[gpu_type][host]
+        row[np.argsort(row)[:k]] = end
+        placed[job.job_id] = Outcome(gpu_type, k)
+    return placed
+
+
+def fits_somewhere(job: JobSpec, cluster: ClusterSpec) -> bool:
+    biggest = max(_memory_mib(t) for t in cluster.gpu_types())
+    return any(peak_mem_mib(job, job.req_gpu_type, k) <= biggest for k in range(1, job.req_gpus + 1))
+
+
+# ---- simulation and measures ------------------------------------------------------------------
+
+def sim_jobs(jobs: Sequence[JobSpec], placed: Mapping[str, Outcome]) -> list[SimJob]:
+    """The jobs as placed, with what the workload model says they then do; t0 is the first submit."""
+    t0 = jobs[0].submit_time
+    out = []
+    for job in jobs:
+        gpu_type, gpus = placed[job.job_id]
+        out.append(SimJob(job.job_id, (job.submit_time - t0).total_seconds(), gpu_type, gpus,
+                          runtime_s(job, gpu_type, gpus), float(job.time_limit_s),
+                          not fits(job, gpu_type, gpus), job.user, job.partition))
+    return out
+
+
+def measure(jobs: Sequence[JobSpec], results: Sequence[SimResult]) -> Efficiency:
+    """Memory used over allocated and idle GPU-hours. A job uses ``used_gpus`` of its GPUs, each
+    up to its peak (the card's memory when it ran out); the others hold nothing. It is idle when
+    its mean utilisation over all its allocated GPUs and its elapsed time stays below 5%."""
+    by_id = {j.job_id: j for j in jobs}
+    used_mem: dict[str, float] = {}
+    idle: dict[str, bool] = {}
+    for r in results:
+        job = by_id[r.job_id]
+        card = _memory_mib(r.gpu_type)
+        share = used_gpus(job, r.gpus) / r.gpus
+        used_mem[r.job_id] = min(peak_mem_mib(job, r.gpu_type, r.gpus), card) / card * share
+        idle[r.job_id] = run_model(job, r.gpu_type, r.gpus).util(r.end_s - r.start_s) * share < IDLE_UTIL_PCT
+    return efficiency(results, used_mem, idle)
+
+
+def evaluate(scenario: Scenario, progress: Callable[[str], None] = lambda s: None) -> Evaluation:
+    """Generate the scenario's workload, place it by every policy and simulate each placement."""
+    began = time.perf_counter()
+    cluster = scenario.cluster
+    jobs = generate(cluster, scenario.start, scenario.days, scenario.seed)
+    cut = int(len(jobs) * scenario.train_share)
+    train, tested = jobs[:cut], jobs[cut:]
+    progress(f"{len(jobs):,} jobs generated on {cluster.name}; training on {len(train):,}, "
+             f"evaluating {len(tested):,}")
+    config = scenario_config(cluster)
+    features = {s: script_features(s) for s in dict.fromkeys(j.script for j in jobs)}
+    requests: dict[str, JobRequest] = {}
+    for job in jobs:
+        if job.script not in requests:  # an array's tasks, and reruns as they were, share one script
+            requests[job.script] = build_request(parse_script(job.script.encode(), f"{job.job_id}.sh"), (), {},
+                                                 config.gpu_features())
+    cost = {pool.gpu_type: config.gpu_types[pool.gres].cost for part in cluster.partitions for pool in part.pools}
+    model, decider, model_note = model_decisions(train, tested, cluster, config, features, requests,
+                                                 scenario.iterations, progress)
+    rule = static_rule(tested, cluster, features)
+    placements = {
+        "request": (honour(tested), "every job as asked"),
+        "rule": (rule, f"changed {sum(rule[j.job_id] != (j.req_gpu_type, j.req_gpus) for j in tested):,} jobs"),
+        "slurmgpu": (model, model_note),
+        "oracle": (oracle(tested, cluster, cost), "true peak and runtime; earliest estimated completion"),
+    }
+    sim = sim_cluster(cluster)
+    policies = []
+    for name, (placed, note) in placements.items():
+        progress(f"simulating {POLICIES[name]}")
+        results = simulate(sim_jobs(tested, placed), sim)
+        policies.append(PolicyResult(name, placed, note, results, summarize(results), measure(tested, results)))
+    unfittable = sum(not fits_somewhere(j, cluster) for j in tested)
+    return Evaluation(scenario, len(jobs), len(train), tested, decider, unfittable, config, policies,
+                      time.perf_counter() - began)
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+COLUMNS = ("policy", "jobs", "mean JCT h", "p50 JCT h", "p99 JCT h", "mean wait h", "p50 wait h", "p99 wait h",
+           "makespan d", "GPU-hours", "mem used", "idle GPU-h", "OOM", "timeout", "failed")
+
+
+def _row(p: PolicyResult) -> tuple[str, ...]:
+    s, e = p.summary, p.efficiency
+    hours = [f"{v / 3600:,.2f}" for v in (s.mean_jct_s, s.p50_jct_s, s.p99_jct_s, s.mean_wait_s, s.p50_wait_s,
+                                           s.p99_wait_s)]
+    return (POLICIES[p.name], f"{s.jobs:,}", *hours, f"{s.makespan_s / 86400:,.1f}", f"{s.gpu_hours:,.0f}",
+            f"{e.mem_used_share:.1%}", f"{e.idle_gpu_hours:,.0f}", f"{s.oom:,}", f"{s.timeout:,}", f"{s.failed:,}")
+
+
+def markdown_table(ev: Evaluation) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_row(p)) + " |" for p in ev.policies]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(ev: Evaluation) -> dict[str, Any]:
+    sc = ev.scenario
+    return {
+        "scenario": {"name": sc.name, "cluster": sc.cluster.name, "seed": sc.seed, "days": sc.days,
+                     "start": sc.start.isoformat(), "train_share": sc.train_share, "iterations": sc.iterations,
+                     "gpus": {t: sim_cluster(sc.cluster).capacity(t) for t in sc.cluster.gpu_types()}},
+        "jobs": {"generated": ev.generated, "train": ev.train_jobs, "evaluated": ev.evaluated,
+                 "unfittable": ev.unfittable},
+        "decider": ev.decider,
+        "gpu_types": {t.name: t._asdict() for t in ev.config.gpu_types.values()},
+        "policies": {p.name: {"label": POLICIES[p.name], "note": p.note,
+                              **{k: v for k, v in p.summary._asdict().items() if k != "utilisation"},
+                              **p.efficiency._asdict()} for p in ev.policies},
+        "seconds": ev.seconds,
+    }
+
+
+def _notes(ev: Evaluation) -> list[str]:
+    sc = ev.scenario
+    return [f"Scenario `{sc.name}`: {ev.generated:,} jobs over {sc.days:.1f} days on cluster `{sc.cluster.name}` "
+            f"({sum(sim_cluster(sc.cluster).capacity(t) for t in sc.cluster.gpu_types())} GPUs, "
+            f"{len(sc.cluster.gpu_types())} types), seed {sc.seed}. The first {ev.train_jobs:,} by submit time train "
+            f"the decider; the other {ev.evaluated:,} are evaluated under every policy.",
+            f"slurmgpu decider: {ev.decider}. Decisions are made at submit time with every GPU counted free; "
+            "no policy sees the simulation.",
+            f"{ev.unfittable} evaluated jobs fit no card in the cluster: they run out of memory under every policy.",
+            *(f"{POLICIES[p.name]}: {p.note}." for p in ev.policies),
+            "Times in hours (makespan in days). mem used: per-GPU peak / card memory over allocated GPUs, "
+            f"weighted by GPU-hours; idle GPU-h: jobs below {IDLE_UTIL_PCT:g}% mean utilisation; failed: every job "
+            "that did not complete (OOM and TIMEOUT included)."]
+
+
+def to_markdown(ev: Evaluation) -> str:
+    notes = "\n".join(f"- {n}" for n in _notes(ev))
+    return (f"# Policy evaluation: scenario {ev.scenario.name}\n\n{markdown_table(ev)}\n{notes}\n\n"
+            "![JCT CDF](jct_cdf.svg)\n\n![Allocated GPUs](allocated_gpus.svg)\n")
+
+
+Series = list[tuple[str, list[tuple[float, float]]]]
+
+
+def line_chart(title: str, x_label: str, y_label: str, series: Series, *, log_x: bool = False,
+               y_max: float | None = None, y_ref: float | None = None) -> str:
+    """A self-contained SVG line chart (no dependency): one polyline per series, a legend, and a
+    dashed line at ``y_ref`` (a limit such as the cluster's capacity)."""
+    width, height, left, right, top, bottom = 760, 420, 70, 170, 36, 50
+    pw, ph = width - left - right, height - top - bottom
+    xs = [x for _, pts in series for x, _ in pts]
+    if log_x:
+        lo, hi = math.floor(math.log10(min(xs))), math.ceil(math.log10(max(xs)))
+        hi = max(hi, lo + 1)
+        ticks = [(10.0 ** e, f"{10.0 ** e:g}") for e in range(lo, hi + 1)]
+
+        def fx(x: float) -> float:
+            return (math.log10(x) - lo) / (hi - lo)
+    else:
+        step, n = _axis(max(xs))
+        ticks = [(step * i, f"{step * i:g}") for i in range(n + 1)]
+
+        def fx(x: float) -> float:
+            return x / (step * n)
+    ystep, yn = _axis(y_max if y_max is not None else max(y for _, pts in series for _, y in pts))
+    ytop = ystep * yn
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>']
+    for value, label in ticks:
+        x = left + fx(value) * pw
+        out += [f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" stroke="#e4e7eb"/>',
+                f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle">{escape(label)}</text>']
+    for i in range(yn + 1):
+        y = top + ph - ph * i / yn
+        out += [f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#e4e7eb"/>',
+                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{ystep * i:g}</text>']
+    out += [f'<text x="{left + pw / 2}" y="{height - 10}" text-anchor="middle">{escape(x_label)}</text>',
+            f'<text transform="translate(16 {top + ph / 2}) rotate(-90)" text-anchor="middle">{escape(y_label)}</text>']
+    if y_ref is not None:
+        y = top + ph - min(y_ref / ytop, 1.0) * ph
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#52606d" '
+                   'stroke-dasharray="6 4"/>')
+    for i, (name, pts) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        path = " ".join(f"{left + fx(x) * pw:.1f},{top + ph - min(y / ytop, 1.0) * ph:.1f}" for x, y in pts)
+        ly = top + 10 + 18 * i
+        out += [f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="{path}"/>',
+                f'<line x1="{left + pw + 12}" y1="{ly}" x2="{left + pw + 32}" y2="{ly}" stroke="{color}" '
+                'stroke-width="3"/>',
+                f'<text x="{left + pw + 38}" y="{ly + 4}">{escape(name)}</text>']
+    return "\n".join([*out, "</svg>"]) + "\n"
+
+
+def jct_cdf_svg(ev: Evaluation, points: int = 200) -> str:
+    """Share of jobs done within x hours of submission, log x (JCTs span seconds to days)."""
+    series = []
+    for p in ev.policies:
+        jct = np.maximum(np.array([r.jct_s for r in p.results]) / 3600, 1 / 3600)
+        share = np.linspace(0, 1, points + 1)
+        series.append((POLICIES[p.name], list(zip(np.quantile(jct, share).tolist(), share.tolist(), strict=True))))
+    return line_chart("Job completion time (CDF)", "JCT, hours (log scale)", "share of jobs", series, log_x=True,
+                      y_max=1.0)
+
+
+def allocated_svg(ev: Evaluation, points: int = 600) -> str:
+    """GPUs allocated over time (all types), sampled from each policy's allocation step function."""
+    end = max(p.summary.makespan_s for p in ev.policies)
+    grid = np.linspace(0, end, points + 1)
+    series = []
+    for p in ev.policies:
+        times = np.array([t for t, _ in p.summary.utilisation])
+        totals = np.array([sum(a.values()) for _, a in p.summary.utilisation], dtype=float)
+        at = np.searchsorted(times, grid, side="right") - 1
+        values = np.where(at >= 0, totals[np.maximum(at, 0)], 0.0)
+        series.append((POLICIES[p.name], list(zip((grid / 86400).tolist(), values.tolist(), strict=True))))
+    capacity = sum(sim_cluster(ev.scenario.cluster).capacity(t) for t in ev.scenario.cluster.gpu_types())
+    return line_chart(f"Allocated GPUs ({capacity} in the cluster)", "days since the first evaluated submission",
+                      "GPUs allocated", series, y_max=capacity, y_ref=capacity)
+
+
+def write_report(ev: Evaluation, directory: str) -> list[str]:
+    """results.json, results.md, jct_cdf.svg and allocated_gpus.svg; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    files = {"results.json": json.dumps(to_json(ev), indent=2) + "\n", "results.md": to_markdown(ev),
+             "jct_cdf.svg": jct_cdf_svg(ev), "allocated_gpus.svg": allocated_svg(ev)}
+    paths = []
+    for name, text in files.items():
+        path = os.path.join(directory, name)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        paths.append(path)
+    return paths

@@ -1,0 +1,1 @@
+"""Slurm backends (command line, pyslurm) and parsers of Slurm's output."""
