@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu.cli.main import compare_with_cluster
+from slurmgpu.apps.doctor import compare_with_cluster
 from slurmgpu.pipeline.config import load_config
 from slurmgpu.pipeline.errors import ConfigError
 from slurmgpu.slurm.backend import NodeInfo, parse_gres

@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from slurmgpu.apps import doctor
-from slurmgpu.apps.doctor import FAIL, OK, WARN
-from slurmgpu.cli.main import compare_with_cluster, main
+from slurmgpu.apps.doctor import FAIL, OK, WARN, compare_with_cluster
+from slurmgpu.cli.main import main
 from slurmgpu.cli.report import doctor_cmd
 from slurmgpu.history import db
 from slurmgpu.pipeline.config import Config, load_config

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
-from slurmgpu.cli.workload import history_group
+from slurmgpu.cli.history import history_group
 from slurmgpu.history import db
 from slurmgpu.history.imports import import_history
 from slurmgpu.history.queries import job_rows

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu.apps.gsbatch import site_decider
+from slurmgpu.apps.site import site_decider
 from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
 from slurmgpu.pipeline.config import load_config

@@ -416,7 +416,7 @@ def test_gsbatch_takes_the_daemon_fast_path_and_falls_back_without_it(sock: str,
     from test_gsbatch import Recorder
     from test_models import script_for
 
-    from slurmgpu.apps import gsbatch
+    from slurmgpu.apps import site
 
     model = tmp_path / "model.json"
     bundle.save(str(model))
@@ -429,14 +429,14 @@ def test_gsbatch_takes_the_daemon_fast_path_and_falls_back_without_it(sock: str,
     loaded = load_config(config)
     service = serve.Service(loaded, str(model), free_gpus=lambda: BUSY_A100)
     with daemon(sock, service):
-        assert isinstance(gsbatch.site_decider(loaded, Recorder(), env), gsbatch.DaemonDecider)
+        assert isinstance(site.site_decider(loaded, Recorder(), env), site.DaemonDecider)
         request = build_request(parse_script(script.read_bytes(), str(script)), [], {}, loaded.gpu_features())
-        via_daemon = gsbatch.site_decider(loaded, Recorder(), env).decide(request)
+        via_daemon = site.site_decider(loaded, Recorder(), env).decide(request)
         assert service.count == 1
     local = ModelDecider(loaded, bundle, lambda: BUSY_A100, "ann").decide(request)
     assert via_daemon.changes == local.changes and via_daemon.changed
     assert [c.gpu_type for c in via_daemon.per_type] == [c.gpu_type for c in local.per_type]
     # The daemon is gone but its socket path lingers: gsbatch decides in-process instead.
     open(sock, "w").close()
-    fallback = gsbatch.site_decider(loaded, Recorder(), env).decide(request)
+    fallback = site.site_decider(loaded, Recorder(), env).decide(request)
     assert fallback.decider == "model" and fallback.per_type

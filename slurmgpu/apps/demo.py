@@ -18,7 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from slurmgpu.apps.gsbatch import Invocation, plan, site_decider
+from slurmgpu.apps.gsbatch import Invocation, plan
+from slurmgpu.apps.site import site_decider
 from slurmgpu.history import db, ingest
 from slurmgpu.learning import registry, train
 from slurmgpu.pipeline.config import load_config

@@ -1,7 +1,7 @@
 """``slurmgpu doctor``: check the whole installation and say in plain words what to fix.
 
 Each check is a small function that takes what it inspects (paths, a clock, a command runner,
-a loader) as arguments, so the tests can hand it fakes; ``cli_report.doctor_cmd`` passes the
+a loader) as arguments, so the tests can hand it fakes; ``slurmgpu.cli.report.doctor_cmd`` passes the
 real ones. A check never raises: whatever goes wrong becomes its FAIL or WARN line.
 """
 
@@ -208,3 +208,31 @@ def render(checks: Sequence[Check], color: bool = False) -> str:
 
 def to_json(checks: Sequence[Check]) -> str:
     return json.dumps({"ok": exit_status(checks) == 0, "checks": [c._asdict() for c in checks]}, indent=2)
+
+
+def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
+    """Differences an admin must fix: configured partitions/types the cluster does not have,
+    per-node counts larger than any node offers, and GPU types the config does not know."""
+    problems: list[str] = []
+    live_parts: dict[str, dict[str, int]] = {}
+    for n in nodes:
+        for part in n.partitions:
+            offered = live_parts.setdefault(part, {})
+            for gtype, count in n.gpus.items():
+                offered[gtype] = max(offered.get(gtype, 0), count)
+    for p in config.partitions.values():
+        live = live_parts.get(p.name)
+        if live is None:
+            problems.append(f"partition {p.name} is configured but does not exist in the cluster")
+            continue
+        for gtype in p.gpu_types:
+            if gtype not in live:
+                problems.append(f"partition {p.name}: GPU type {gtype} is configured but no node offers it")
+            elif live[gtype] < p.gpus_per_node and len(p.gpu_types) == 1:
+                problems.append(f"partition {p.name}: gpus_per_node = {p.gpus_per_node} but nodes have "
+                                f"{live[gtype]} {gtype}")
+    for part, offered in live_parts.items():
+        for gtype in offered:
+            if gtype and gtype not in config.gpu_types:
+                problems.append(f"partition {part}: the cluster offers GPU type {gtype}, unknown to the config")
+    return problems

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, TextIO
+from typing import NamedTuple, TextIO
 
-from slurmgpu.pipeline.config import Config, find_config, load_config
+from slurmgpu.apps.site import DECIDED_MARKER, load_site, site_decider
+from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider, make_decider
+from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.rewrite import Submission, apply, describe
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
@@ -23,7 +24,6 @@ from slurmgpu.pipeline.script import parse_script, read_script
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
 
 OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
-DECIDED_MARKER = "SLURMGPU_DECIDED"
 PASS_THROUGH = {"help", "usage", "version"}
 HELP = """
 gsbatch options (everything else is sbatch's):
@@ -163,114 +163,6 @@ def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, st
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def load_site(inv: Invocation, env: Mapping[str, str]) -> Config | None:
-    path = find_config(inv.config, env)
-    return load_config(path) if path else None
-
-
-def model_path(config: Config | None, env: Mapping[str, str]) -> str:
-    from slurmgpu.pipeline.spool import PERSONAL_SPOOL
-
-    site = config.site.model_path if config else None
-    return os.path.expanduser(env.get("SLURMGPU_MODEL") or site
-                              or os.path.join(os.path.dirname(PERSONAL_SPOOL), "model.json"))
-
-
-_TRES_FIELD = {"gres": "tres_per_node", "gpus-per-node": "tres_per_node", "gpus": "tres_per_job",
-               "gpus-per-task": "tres_per_task", "gpus-per-socket": "tres_per_socket"}
-
-
-def daemon_job(request: JobRequest, user: str | None) -> dict[str, Any]:
-    """The job as slurmctld's job_submit.lua would describe it to the daemon."""
-    comp = request.main
-    job: dict[str, Any] = {"script": request.script.text if request.script else None, "user_name": user,
-                           "partition": comp.partition, "account": comp.account, "qos": comp.qos,
-                           "num_tasks": comp.ntasks, "ntasks_per_node": comp.ntasks_per_node,
-                           "cpus_per_task": comp.cpus_per_task, "sockets_per_node": comp.sockets_per_node,
-                           "time_limit": comp.time_limit_s // 60 if comp.time_limit_s else None,
-                           "min_nodes": comp.nodes if comp.nodes_set else None,
-                           "features": comp.options["constraint"].value if "constraint" in comp.options else None}
-    for ask in comp.gpus:
-        job[_TRES_FIELD[ask.option]] = f"gres:gpu:{ask.type + ':' if ask.type else ''}{ask.count}"
-    return {k: v for k, v in job.items() if v is not None}
-
-
-class DaemonDecider:
-    """Asks ``slurmgpu serve`` (model and config already loaded there); falls back to deciding
-    in this process when the daemon does not answer in time."""
-
-    name = "daemon"
-
-    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = 0.5) -> None:
-        self.socket_path, self.user, self.fallback, self.timeout_s = socket_path, user, fallback, timeout_s
-
-    def decide(self, request: JobRequest) -> Decision:
-        from slurmgpu.apps.daemon_client import ask
-        from slurmgpu.pipeline.policy import Candidate, ComponentChange
-
-        answer = ask(self.socket_path, daemon_job(request, self.user), self.timeout_s)
-        if answer is None or request.is_hetjob:
-            return self.fallback().decide(request)
-        return Decision(tuple(ComponentChange(**c) for c in answer.get("changes", [])), tuple(answer["reasons"]),
-                        answer.get("refused"), answer.get("decider", "model"),
-                        tuple(Candidate(**c) for c in answer.get("per_type", [])))
-
-
-def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
-    """The configured decider: the daemon when its socket is there (the fast path), else the
-    model in this process; a model that cannot be used leaves the request as written."""
-    if config is None or config.policy.decider != "model":
-        return make_decider(config)
-    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET
-
-    user = env.get("USER") or env.get("LOGNAME")
-    socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
-    if os.path.exists(socket_path):
-        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user))
-    return local_decider(config, backend, env, user)
-
-
-def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str], user: str | None) -> Decider:
-    from slurmgpu.pipeline.bundle import Bundle
-
-    path = model_path(config, env)
-    try:
-        bundle = Bundle.load(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        _note(sys.stderr, "warning", f"model {path} unusable ({exc}); request kept as written")
-        return KeepDecider("model unusable")
-    return make_decider(config, bundle, cached_free_gpus(backend, env), user)
-
-
-def cached_free_gpus(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:
-    """Idle GPUs per type, from a per-user cache a few seconds old at most (sinfo is not free)."""
-    import json
-    import time
-
-    def free() -> dict[str, int]:
-        path = os.path.join(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache"), "slurmgpu", "free-gpus.json")
-        try:
-            if time.time() - os.stat(path).st_mtime < ttl_s:
-                with open(path) as fh:
-                    return json.load(fh)
-        except (OSError, ValueError):
-            pass
-        try:
-            data = backend.free_gpus()
-        except Exception:  # noqa: BLE001 - no cluster view: rank by runtime alone
-            return {}
-        try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            from slurmgpu.pipeline.spool import atomic_write
-
-            atomic_write(path, json.dumps(data).encode(), 0o600)
-        except OSError:
-            pass
-        return data
-
-    return free
-
-
 def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Plan, result: Submitted) -> None:
     """Leave a submission record in the spool for the ingest; never fails the submission."""
     import hashlib
@@ -315,7 +207,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return code
     config = None
     try:
-        config = load_site(inv, env)
+        config = load_site(inv.config, env)
         decider = decider or site_decider(config, backend, env)
     except InputError as exc:
         _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")

@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from slurmgpu.apps.doctor import DEFAULT_SOCKET, MODEL_MAX_AGE_DAYS, SPOOL_MAX_AGE_HOURS
-from slurmgpu.cli.main import _config, _current_user, _engine, _to_utc, compare_with_cluster, fail
+from slurmgpu.apps.doctor import DEFAULT_SOCKET, MODEL_MAX_AGE_DAYS, SPOOL_MAX_AGE_HOURS, compare_with_cluster
+from slurmgpu.cli.common import current_user, fail, history_engine, site_config, to_utc
 from slurmgpu.pipeline.errors import InputError
 
 
@@ -36,17 +36,17 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
     from slurmgpu.reporting import report
 
     if os.geteuid() != 0:
-        me = _current_user()
+        me = current_user()
         if user and user != me:
             fail(InputError(f"you may only report on your own jobs, not {user}'s", option="--user"))
         user = me
-    end = _to_utc(until) or utcnow()
-    start = _to_utc(since) or end - timedelta(days=30)
+    end = to_utc(until) or utcnow()
+    start = to_utc(since) or end - timedelta(days=30)
     if start >= end:
         fail(InputError("the window is empty: --since must be before --until", option="--since"))
-    config = _config(ctx, required=False)
+    config = site_config(ctx, required=False)
     cluster = cluster or (config.site.cluster if config else None)
-    jobs = report.load_jobs(_engine(ctx), start, end, user=user, account=account, cluster=cluster)
+    jobs = report.load_jobs(history_engine(ctx), start, end, user=user, account=account, cluster=cluster)
     result = report.build(jobs, config, start, end, user)
     if html_path:
         from slurmgpu.pipeline.spool import atomic_write
@@ -80,7 +80,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
     """Check the installation (config, cluster, database, model, daemon, lua hook, spools) and
     say what to fix. Exit status 1 when any check FAILs."""
     from slurmgpu.apps import doctor
-    from slurmgpu.apps.gsbatch import model_path
+    from slurmgpu.apps.site import model_path
     from slurmgpu.history import db
     from slurmgpu.pipeline.bundle import Bundle
     from slurmgpu.pipeline.config import find_config, load_config

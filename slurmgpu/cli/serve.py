@@ -1,6 +1,5 @@
 """Admin commands for the decision daemon and its slurmctld hook: ``serve``, ``lua render``, ``render serve``.
 
-Imported by ``slurmgpu.cli.main``, so ``slurmgpu.cli.main`` itself is imported inside the commands.
 """
 
 from __future__ import annotations
@@ -15,21 +14,16 @@ from typing import Any
 import click
 
 from slurmgpu.apps.serve import DEFAULT_SOCKET
+from slurmgpu.cli.common import fail, site_config
 from slurmgpu.pipeline.errors import InputError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]*$")  # partitions, accounts, users, groups
 _PATH = re.compile(r"^/[A-Za-z0-9_./@+-]+$")
 
 
-def _fail(exc: Exception) -> Any:
-    from slurmgpu.cli.main import fail
-
-    fail(exc)
-
-
 def _check(option: str, value: str, pattern: re.Pattern[str] = _PATH) -> str:
     if not pattern.match(value) or "/../" in value + "/":
-        _fail(InputError(f"unsafe or malformed value {value!r}", option=option))
+        fail(InputError(f"unsafe or malformed value {value!r}", option=option))
     return value
 
 
@@ -64,7 +58,7 @@ def _write(path: str, text: str) -> None:
     try:
         atomic_write(path, text.encode(), 0o644)
     except OSError as exc:
-        _fail(InputError(f"cannot write: {exc.strerror}", file=path))
+        fail(InputError(f"cannot write: {exc.strerror}", file=path))
     click.echo(f"wrote {path}")
 
 
@@ -90,8 +84,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     `pydoc slurmgpu.apps.serve` for the fields. One log line per decision goes to stderr.
     """
     from slurmgpu.apps import serve
-    from slurmgpu.apps.gsbatch import model_path
-    from slurmgpu.cli.main import _config
+    from slurmgpu.apps.site import model_path
     from slurmgpu.slurm.backend import CliBackend
 
     try:
@@ -99,8 +92,8 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     except ValueError:
         file_mode = -1
     if not 0 <= file_mode <= 0o777:
-        _fail(InputError(f"invalid mode {mode!r} (expected octal, e.g. 0660)", option="--mode"))
-    config = _config(ctx)
+        fail(InputError(f"invalid mode {mode!r} (expected octal, e.g. 0660)", option="--mode"))
+    config = site_config(ctx)
     assert config is not None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s slurmgpu serve: %(message)s")
     try:
@@ -108,7 +101,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
         service = serve.Service(config, model or model_path(config, os.environ), CliBackend().free_gpus, reload_s)
         server = serve.Server(socket_path, service, access, file_mode)
     except (InputError, OSError) as exc:
-        _fail(exc)
+        fail(exc)
     serve.run(server, run_as)
 
 
@@ -132,7 +125,7 @@ def lua_group() -> None:
 def lua_render(out: str, socket_path: str, timeout_ms: int, backoff_s: int, dry_run: bool, partitions: str | None,
                accounts: str | None, users: str | None, disabled: bool) -> None:
     """Write job_submit.lua for slurmctld (needs Debian's lua-socket on the slurmctld host)."""
-    from slurmgpu.apps.gsbatch import DECIDED_MARKER
+    from slurmgpu.apps.site import DECIDED_MARKER
 
     text = render("lua/job_submit.lua.j2", enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
                   socket=_check("--socket", socket_path), timeout_ms=timeout_ms, backoff_s=backoff_s,

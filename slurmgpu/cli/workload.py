@@ -1,52 +1,15 @@
-"""Click commands for history import and synthetic workloads (wired into ``slurmgpu`` by cli.py).
-
-``slurmgpu.cli.main`` is imported inside the commands: it will import this module to register them.
-"""
+"""`slurmgpu workload`: seeded synthetic histories in the formats `slurmgpu ingest` reads."""
 
 from __future__ import annotations
 
 import collections
 import os
-import sys
 from datetime import datetime
 
 import click
 
+from slurmgpu.cli.common import fail
 from slurmgpu.pipeline.errors import InputError
-
-
-@click.group("history")
-def history_group() -> None:
-    """Bring job history from other sources into the history database."""
-
-
-@history_group.command("import")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--cluster", help="Cluster the jobs belong to (default: the config's site.cluster, else 'default').")
-@click.pass_context
-def history_import_cmd(ctx: click.Context, file: str, cluster: str | None) -> None:
-    """Load a CSV or Parquet table of jobs (see slurmgpu.history.imports for its columns).
-
-    Idempotent. Bad rows are reported with their row number (exit status 1) while the good ones load.
-    """
-    from slurmgpu.cli.main import _config, _engine, fail
-    from slurmgpu.history.imports import import_history
-
-    config = _config(ctx, required=False)
-    cluster = cluster or (config.site.cluster if config else None) or "default"
-    engine = _engine(ctx)
-    try:
-        report = import_history(engine, file, cluster)
-    except (ValueError, OSError) as exc:
-        fail(InputError(str(exc), file=file))
-    errors = report.jobs.errors
-    for err in errors[:20]:
-        click.echo(f"slurmgpu: rejected {file}: row {err.line}: {err.message}", err=True)
-    if len(errors) > 20:
-        click.echo(f"slurmgpu: ... and {len(errors) - 20} more rejected rows", err=True)
-    click.echo(report.summary())
-    if errors:
-        sys.exit(1)
 
 
 @click.group("workload")
@@ -72,7 +35,6 @@ def workload_generate_cmd(out_dir: str, days: float, seed: int, cluster_size: st
     Load it with `SLURMGPU_GPU_SPOOL=OUT/spool slurmgpu ingest --from-file OUT/sacct.txt`
     (sacct prints local time: generate and ingest in the same time zone).
     """
-    from slurmgpu.cli.main import fail
     from slurmgpu.simulation.workload import CLUSTERS, generate
     from slurmgpu.simulation.workload.emit import emit
 

@@ -1,0 +1,136 @@
+"""`slurmgpu train`, `evaluate`, `predict` and `nightly`: the models."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+from slurmgpu.cli.common import current_user, fail, history_engine, model_path, site_config, status
+from slurmgpu.cli.history import ingest_cmd
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import read_script
+
+
+@click.command("train")
+@click.option("--test-days", type=click.FloatRange(min=0), default=7, show_default=True,
+              help="Hold out the last N days of history for evaluation (0: none).")
+@click.option("--quantile", type=click.FloatRange(0.5, 0.999), default=0.995, show_default=True,
+              help="Quantile of peak GPU memory the memory model predicts.")
+@click.option("--iterations", type=click.IntRange(min=10), default=400, show_default=True)
+@click.option("--keep-better/--always-replace", default=True, show_default=True,
+              help="Keep the current model when the new one evaluates worse on the same held-out jobs.")
+@click.pass_context
+def train_cmd(ctx: click.Context, test_days: float, quantile: float, iterations: int, keep_better: bool) -> None:
+    """Train the memory and runtime models from the history database and register a version."""
+    from slurmgpu.learning import registry, train
+
+    config = site_config(ctx)
+    assert config is not None
+    engine = history_engine(ctx)
+    rows = train.history_rows(engine)
+    train_rows, test_rows = train.split_by_time(rows, test_days) if test_days else (rows, [])
+    click.echo(f"{len(rows)} GPU jobs with script features: {len(train_rows)} to train, {len(test_rows)} held out")
+    try:
+        with status("training") as say:
+            bundle, _ = train.fit(train_rows, config, quantile, iterations, progress=say)
+    except ValueError as exc:
+        fail(InputError(str(exc)))
+    metrics = train.evaluate(bundle, train_rows, test_rows, config) if test_rows else {}
+    bundle.data["metrics"] = metrics
+    path = model_path(ctx)
+    old = registry.current_metrics(path, train_rows, test_rows, config) if keep_better and test_rows else None
+    if old is not None and registry.worse(metrics, old):
+        click.echo(f"new model evaluates worse than the current one ({_fmt(metrics)} vs {_fmt(old)}): kept {path}")
+        registry.register(engine, bundle, path, active=False)
+        return
+    version = registry.register(engine, bundle, path, active=True)
+    click.echo(f"model version {version} written to {path}: {_fmt(metrics) or 'no held-out evaluation'}")
+
+
+def _fmt(metrics: dict[str, Any]) -> str:
+    parts = []
+    if metrics.get("memory_under_prediction_rate") is not None:
+        parts.append(f"memory under-predicted on {metrics['memory_under_prediction_rate']:.2%} of "
+                     f"{metrics['memory_jobs']} jobs")
+    if metrics.get("runtime_mdape") is not None:
+        parts.append(f"runtime MdAPE {metrics['runtime_mdape']:.1%} on {metrics['runtime_jobs']} jobs")
+    return ", ".join(parts)
+
+
+@click.command("evaluate")
+@click.option("--test-days", type=click.FloatRange(min=0.01), default=7, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def evaluate_cmd(ctx: click.Context, test_days: float, as_json: bool) -> None:
+    """Evaluate the current model on the last N days of history (held out by time)."""
+    from slurmgpu.learning import train
+    from slurmgpu.pipeline.bundle import Bundle
+
+    config = site_config(ctx)
+    assert config is not None
+    path = model_path(ctx)
+    try:
+        bundle = Bundle.load(path)
+    except (OSError, ValueError) as exc:
+        fail(InputError(f"model unusable: {exc}", file=path))
+    train_rows, test_rows = train.split_by_time(train.history_rows(history_engine(ctx)), test_days)
+    metrics = train.evaluate(bundle, train_rows, test_rows, config)
+    click.echo(json.dumps(metrics, indent=2) if as_json else _fmt(metrics) or "no held-out jobs")
+
+
+@click.command("predict", context_settings={"ignore_unknown_options": True})
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("sbatch_options", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def predict_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...]) -> None:
+    """Print (JSON) what the model decides for SCRIPT, with its numbers per candidate type."""
+    from slurmgpu.apps.site import cached_free_gpus
+    from slurmgpu.pipeline.bundle import Bundle
+    from slurmgpu.pipeline.policy import ModelDecider
+    from slurmgpu.slurm.backend import CliBackend
+
+    config = site_config(ctx)
+    assert config is not None
+    path = model_path(ctx)
+    try:
+        bundle = Bundle.load(path)
+        request = build_request(read_script(script), sbatch_options, os.environ, config.gpu_features())
+    except (OSError, ValueError) as exc:
+        fail(exc if isinstance(exc, InputError) else InputError(f"model unusable: {exc}", file=path))
+    decision = ModelDecider(config, bundle, cached_free_gpus(CliBackend(), os.environ), current_user()) \
+        .decide(request)
+    change = decision.changes[0] if decision.changes else None
+    main_req = request.main
+    click.echo(json.dumps({
+        "decision": {
+            "gpu_type": (change.gpu_type if change and change.gpu_type else main_req.gpu_type),
+            "gpu_count": (change.gpus_total if change and change.gpus_total else main_req.gpus_total),
+            "partition": (change.partition if change and change.partition else main_req.partition),
+            "changed": decision.changed, "refused": decision.refusal, "reasons": list(decision.reasons),
+        },
+        "per_type": [c._asdict() for c in decision.per_type],
+    }, indent=2))
+
+
+@click.command("nightly")
+@click.pass_context
+def nightly_cmd(ctx: click.Context) -> None:
+    """Ingest (sacct and spools), then retrain, keeping the old model if the new one is worse."""
+    from datetime import datetime
+
+    def log(msg: str) -> None:
+        click.echo(f"{datetime.now().isoformat(timespec='seconds')} slurmgpu nightly: {msg}")
+
+    log("ingest")
+    try:
+        ctx.invoke(ingest_cmd, spool=True, delimiter="|")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            log(f"ingest finished with rejected rows (exit {exc.code}); training on what landed")
+    log("train")
+    ctx.invoke(train_cmd, test_days=7, quantile=0.995, iterations=400, keep_better=True)
+    log("done")

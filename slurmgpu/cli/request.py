@@ -1,0 +1,75 @@
+"""`slurmgpu parse` and `slurmgpu config`: the request as sbatch reads it, and the config against the cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from slurmgpu.apps.doctor import compare_with_cluster
+from slurmgpu.cli.common import fail, site_config
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import read_script
+from slurmgpu.slurm.backend import SlurmError, select_backend
+
+
+@click.command("parse")
+@click.argument("script", type=click.Path(dir_okay=True, allow_dash=False))
+@click.argument("sbatch_options", nargs=-1, type=click.UNPROCESSED)
+@click.option("--json", "as_json", is_flag=True, help="Print the normalised request as JSON.")
+@click.pass_context
+def parse_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...], as_json: bool) -> None:
+    """Show the GPU request SCRIPT makes, as sbatch would read it.
+
+    SBATCH_OPTIONS (after --) are applied as command-line options, and SBATCH_* variables
+    from the environment are honoured, with sbatch's precedence.
+    """
+    config = site_config(ctx, required=False)
+    try:
+        request = build_request(read_script(script), sbatch_options, os.environ,
+                                config.gpu_features() if config else ())
+    except InputError as exc:
+        fail(exc)
+    data = request.to_json()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    _print_request(data)
+
+
+def _print_request(data: dict[str, Any]) -> None:
+    for key in ("script", "gpu_type", "gpus_total", "gpus_per_node", "nodes", "partition", "time_limit_s", "hetjob"):
+        click.echo(f"{key:14} {data[key]}")
+    for item in data["ignored_directives"]:
+        click.echo(f"ignored line {item['line']}: {item['text']}  ({item['reason']})")
+
+
+@click.group("config")
+def config_group() -> None:
+    """Inspect and validate the admin config."""
+
+
+@config_group.command("check")
+@click.option("--offline", is_flag=True, help="Validate the file only; do not ask the cluster.")
+@click.pass_context
+def config_check(ctx: click.Context, offline: bool) -> None:
+    """Validate the config, then compare it with the live cluster's partitions and GPUs."""
+    config = site_config(ctx)
+    assert config is not None
+    click.echo(f"{config.path}: valid ({len(config.gpu_types)} GPU types, {len(config.partitions)} partitions)")
+    if offline:
+        return
+    try:
+        nodes = select_backend().nodes()
+    except SlurmError as exc:
+        fail(exc)
+    problems = compare_with_cluster(config, nodes)
+    for p in problems:
+        click.echo(f"mismatch: {p}")
+    if problems:
+        sys.exit(1)
+    click.echo("matches the live cluster")
