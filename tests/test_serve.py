@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu.apps import serve
+from slurmgpu.apps import serve, serve_socket
 from slurmgpu.cli.serve import lua_group, lua_string, render_serve_cmd
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config, load_config
@@ -35,10 +35,10 @@ BUSY_A100 = {"a100": 0, "v100": 4, "t4": 4}
 
 
 @contextmanager
-def daemon(path: str, service: serve.Service, access: serve.Access | None = None,
-           mode: int = 0o660) -> Iterator[serve.Server]:
+def daemon(path: str, service: serve.Service, access: serve_socket.Access | None = None,
+           mode: int = 0o660) -> Iterator[serve_socket.Server]:
     """A daemon in a thread of this process, stopped (and its socket removed) afterwards."""
-    server = serve.Server(path, service, access or serve.access_for(None, None, None), mode)
+    server = serve_socket.Server(path, service, access or serve_socket.access_for(None, None, None), mode)
     service.start()
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -261,7 +261,7 @@ def test_bad_input_gets_an_error_and_the_daemon_carries_on(rules: Config, sock: 
 
 
 def test_socket_file_is_private_to_its_group(rules: Config, sock: str) -> None:
-    with daemon(sock, serve.Service(rules), serve.access_for("root", None, None)):
+    with daemon(sock, serve.Service(rules), serve_socket.access_for("root", None, None)):
         st = os.stat(sock)
         assert oct(st.st_mode & 0o777) == "0o660" and st.st_gid == 0 and st.st_uid == os.geteuid()
         directory = os.stat(os.path.dirname(sock))
@@ -271,14 +271,14 @@ def test_socket_file_is_private_to_its_group(rules: Config, sock: str) -> None:
 def test_refuses_a_shared_directory_or_a_second_daemon_and_replaces_a_stale_socket(rules: Config, sock: str) -> None:
     os.chmod(os.path.dirname(sock), 0o777)
     with pytest.raises(serve.InputError, match="writable by no one else"):
-        serve.Server(sock, serve.Service(rules), serve.access_for(None, None, None))
+        serve_socket.Server(sock, serve.Service(rules), serve_socket.access_for(None, None, None))
     os.chmod(os.path.dirname(sock), 0o755)
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(sock)
     stale.close()  # the file stays, nobody listens
     with daemon(sock, serve.Service(rules)):
         with pytest.raises(serve.InputError, match="already answers"):
-            serve.Server(sock, serve.Service(rules), serve.access_for(None, None, None))
+            serve_socket.Server(sock, serve.Service(rules), serve_socket.access_for(None, None, None))
         assert serve.call(sock, {"op": "health"})
     assert not os.path.exists(sock)
 
@@ -326,11 +326,11 @@ def test_only_the_group_root_and_slurmuser_get_answers(rules: Config, sock: str,
     import errno
 
     group = grp.getgrnam(test_users).gr_gid
-    with daemon(sock, serve.Service(rules), serve.access_for(test_users, None, None)):
+    with daemon(sock, serve.Service(rules), serve_socket.access_for(test_users, None, None)):
         assert os.stat(sock).st_gid == group
         assert as_user("sgserve-in", sock)["ok"]
         assert as_user("sgserve-out", sock) == {"connect": errno.EACCES}  # the file mode stops it
-    with daemon(sock, serve.Service(rules), serve.access_for(test_users, "nobody", None), mode=0o666):
+    with daemon(sock, serve.Service(rules), serve_socket.access_for(test_users, "nobody", None), mode=0o666):
         assert as_user("sgserve-in", sock)["ok"]
         assert as_user("sgserve-out", sock) == {"ok": False, "error": "permission denied"}  # SO_PEERCRED stops it
         assert as_user("nobody", sock)["ok"]  # as SlurmUser

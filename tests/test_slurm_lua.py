@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from test_serve import BUSY_A100, SAMPLE, daemon, quick_bundle, socket_dir, with_model
 from test_slurm_gsbatch import job_info
 
-from slurmgpu.apps import serve
+from slurmgpu.apps import serve, serve_socket
 from slurmgpu.cli.serve import lua_group, lua_string
 from slurmgpu.pipeline.config import Config, Partition, load_config
 
@@ -336,7 +336,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
 def site_daemon(site: Site) -> Iterator[None]:
     service = serve.Service(site.config, site.model, lambda: BUSY_A100, reload_s=0.2)
     service.refresh_free()
-    with daemon(site.socket, service, serve.access_for("slurm", "slurm", None)):
+    with daemon(site.socket, service, serve_socket.access_for("slurm", "slurm", None)):
         yield
 
 

@@ -83,7 +83,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     One JSON object per line: {"op": "decide", "job": {...}} or {"op": "health"}; see
     `pydoc slurmgpu.apps.serve` for the fields. One log line per decision goes to stderr.
     """
-    from slurmgpu.apps import serve
+    from slurmgpu.apps import serve, serve_socket
     from slurmgpu.apps.site import model_path
     from slurmgpu.slurm.backend import CliBackend
 
@@ -97,12 +97,12 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     assert config is not None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s slurmgpu serve: %(message)s")
     try:
-        access = serve.access_for(group, slurm_user, run_as)
+        access = serve_socket.access_for(group, slurm_user, run_as)
         service = serve.Service(config, model or model_path(config, os.environ), CliBackend().free_gpus, reload_s)
-        server = serve.Server(socket_path, service, access, file_mode)
+        server = serve_socket.Server(socket_path, service, access, file_mode)
     except (InputError, OSError) as exc:
         fail(exc)
-    serve.run(server, run_as)
+    serve_socket.run(server, run_as)
 
 
 @click.group("lua")
