@@ -18,19 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from slurmgpu.collector import monitor
-from slurmgpu.collector.monitor import (
-    Collector,
-    DeviceInfo,
-    GpuRecord,
-    JobRecord,
-    NvmlDevices,
-    RecordedDevices,
-    main,
-    read_record,
-    select_gpus,
-    write_record,
-)
+from slurmgpu.collector import devices, monitor, records
+from slurmgpu.collector.devices import DeviceInfo, NvmlDevices, RecordedDevices, select_gpus
+from slurmgpu.collector.monitor import Collector, main
+from slurmgpu.collector.records import GpuRecord, JobRecord, read_record, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "tests" / "fixtures" / "nvml_trace_2xa100.json"
@@ -79,7 +70,7 @@ def write_trace(path: Path, n: int, processes: bool = True) -> Path:
 
 @pytest.fixture
 def job_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in (*monitor.GPU_ENV_VARS, "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+    for var in (*devices.GPU_ENV_VARS, "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_CLUSTER_NAME", "c1")
     monkeypatch.setenv("SLURMD_NODENAME", "node7")
@@ -227,7 +218,7 @@ def test_nvml_devices_read_through_pynvml(monkeypatch: pytest.MonkeyPatch) -> No
     d = NvmlDevices()
     assert d.devices() == [DeviceInfo(0, "GPU-00000000", "NVIDIA A100-PCIE-40GB", 40960 * MIB),
                            DeviceInfo(2, "GPU-00000002", "NVIDIA A100-PCIE-40GB", 40960 * MIB)]
-    assert d.sample(2, None) == monitor.Sample(1002 * MIB, 70.0, 950 * MIB)
+    assert d.sample(2, None) == devices.Sample(1002 * MIB, 70.0, 950 * MIB)
     assert d.sample(2, {os.getpid()}).proc_memory == 900 * MIB
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(procs_supported=False))
     d = NvmlDevices()
@@ -300,7 +291,7 @@ def test_a_reader_never_sees_a_partial_record(tmp_path: Path) -> None:
     (lambda d: d["gpus"].append(7), "gpus[2]: expected an object"),
 ])
 def test_read_record_names_the_file_and_the_field(tmp_path: Path, change: object, field: str) -> None:
-    data = monitor.record_to_json(make_record())
+    data = records.record_to_json(make_record())
     change(data)  # type: ignore[operator]
     path = tmp_path / "r.json"
     path.write_text(json.dumps(data))
@@ -317,7 +308,7 @@ def test_read_record_rejects_what_is_not_json(tmp_path: Path) -> None:
 
 
 def test_read_record_accepts_ints_for_floats_and_null_proc_memory(tmp_path: Path) -> None:
-    data = monitor.record_to_json(make_record())
+    data = records.record_to_json(make_record())
     data["gpus"][0].update(peak_mem_mib=61952, peak_proc_mem_mib=None)
     data["extra"] = "ignored"
     path = tmp_path / "r.json"

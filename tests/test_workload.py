@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurmgpu.cli.workload import workload_group
-from slurmgpu.collector.monitor import read_record, write_record
+from slurmgpu.collector.records import read_record, write_record
 from slurmgpu.history import db, ingest
 from slurmgpu.history.queries import job_rows
 from slurmgpu.pipeline.config import load_config

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -19,218 +18,25 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
-from typing import Any, NamedTuple, Protocol, get_args, get_type_hints
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 
+from slurmgpu.collector.devices import (
+    MIB,
+    DeviceError,
+    DeviceInfo,
+    GpuDevices,
+    NvmlDevices,
+    RecordedDevices,
+    Sample,
+    TraceEnded,
+    select_gpus,
+)
+from slurmgpu.collector.records import JOB_ID, SCHEMA_VERSION, Collected, GpuRecord, JobRecord, write_record
 from slurmgpu.pipeline.spool import atomic_write
 
-SCHEMA_VERSION = 1
-MIB = 1024 * 1024
-# Where Slurm (or CUDA) says which GPUs are the job's; the first one set wins. Inside a job with
-# ConstrainDevices, CUDA_VISIBLE_DEVICES counts only the job's GPUs, as NVML does there; in the
-# Prolog only SLURM_JOB_GPUS is set, with node-wide indices, as NVML counts outside the cgroup.
-GPU_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "GPU_DEVICE_ORDINAL")
-_JOB_ID = re.compile(r"\d+(?:[_+]\d+)?")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _WARNING = "slurmgpu-monitor: warning:"
-
-
-class DeviceError(RuntimeError):
-    """The GPUs could not be read (no NVML, no driver, a GPU lost mid-run, a broken trace)."""
-
-
-class TraceEnded(Exception):
-    """A recorded trace has no more samples: for a replay, the job has ended."""
-
-
-class DeviceInfo(NamedTuple):
-    index: int
-    uuid: str
-    name: str
-    memory_total: int  # bytes
-
-
-class Sample(NamedTuple):
-    memory_used: int  # bytes, the whole device
-    util: float  # percent of time a kernel ran
-    proc_memory: int | None  # bytes used by the job's processes; None where the driver does not say
-
-
-class GpuDevices(Protocol):
-    def devices(self) -> list[DeviceInfo]: ...
-
-    def sample(self, index: int, pids: Collection[int] | None) -> Sample: ...
-
-    def close(self) -> None: ...
-
-
-def _proc_memory(procs: Iterable[tuple[int, int | None]], pids: Collection[int] | None) -> int | None:
-    """Bytes used by ``pids`` (every process when None); None when a figure is withheld."""
-    total = 0
-    for pid, used in procs:
-        if pids is None or pid in pids:
-            if used is None:
-                return None
-            total += used
-    return total
-
-
-class NvmlDevices:
-    """The real GPUs through NVML (the nvidia-ml-py package)."""
-
-    def __init__(self) -> None:
-        try:
-            import pynvml
-        except ImportError as exc:
-            raise DeviceError(f"NVML unavailable: {exc}") from None
-        self._nvml = pynvml
-        self._handles: dict[int, Any] = {}
-        with self._errors():
-            pynvml.nvmlInit()
-
-    @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
-        try:
-            yield
-        except self._nvml.NVMLError as exc:
-            raise DeviceError(f"NVML failed: {exc}") from None
-
-    def devices(self) -> list[DeviceInfo]:
-        nv, found = self._nvml, []
-        with self._errors():
-            for i in range(nv.nvmlDeviceGetCount()):
-                try:
-                    handle = nv.nvmlDeviceGetHandleByIndex(i)
-                except nv.NVMLError_NoPermission:
-                    continue  # another job's GPU, behind this job's device cgroup
-                self._handles[i] = handle
-                found.append(DeviceInfo(i, _text(nv.nvmlDeviceGetUUID(handle)), _text(nv.nvmlDeviceGetName(handle)),
-                                        int(nv.nvmlDeviceGetMemoryInfo(handle).total)))
-        return found
-
-    def sample(self, index: int, pids: Collection[int] | None) -> Sample:
-        nv, handle = self._nvml, self._handles[index]
-        with self._errors():
-            used = int(nv.nvmlDeviceGetMemoryInfo(handle).used)
-            util = float(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
-            try:
-                procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nv.NVMLError_NotSupported:
-                return Sample(used, util, None)
-        return Sample(used, util, _proc_memory(((p.pid, p.usedGpuMemory) for p in procs), pids))
-
-    def close(self) -> None:
-        with contextlib.suppress(self._nvml.NVMLError):  # the samples are taken; do not lose them here
-            self._nvml.nvmlShutdown()
-
-
-def _text(value: str | bytes) -> str:
-    """Old pynvml releases answer bytes, current ones str."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-class RecordedDevices:
-    """A recorded trace replayed sample by sample, so tests and the demo run without a GPU.
-
-    The trace is JSON shaped like NVML's answers::
-
-        {"devices": [{"index": 0, "uuid": "GPU-...", "name": "...", "memory": {"total": BYTES},
-                      "samples": [{"memory": {"used": BYTES}, "utilization": {"gpu": PERCENT},
-                                   "processes": [{"pid": PID, "usedGpuMemory": BYTES}, ...]}, ...]}]}
-
-    ``"processes": null`` stands for NVML_ERROR_NOT_SUPPORTED. Each sample() call returns the
-    device's next sample; past the last it raises TraceEnded.
-    """
-
-    def __init__(self, path: str) -> None:
-        try:
-            with open(path, "rb") as f:
-                trace = json.load(f)
-            self._devices = [DeviceInfo(int(d["index"]), str(d["uuid"]), str(d["name"]), int(d["memory"]["total"]))
-                             for d in trace["devices"]]
-            self._samples = {
-                int(d["index"]): [(int(s["memory"]["used"]), float(s["utilization"]["gpu"]),
-                                   None if s["processes"] is None
-                                   else [(int(p["pid"]), p["usedGpuMemory"]) for p in s["processes"]])
-                                  for s in d["samples"]]
-                for d in trace["devices"]}
-        except (OSError, ValueError, LookupError, TypeError) as exc:
-            raise DeviceError(f"recorded trace {path}: {type(exc).__name__}: {exc}") from None
-        self._next = dict.fromkeys(self._samples, 0)
-
-    def devices(self) -> list[DeviceInfo]:
-        return list(self._devices)
-
-    def sample(self, index: int, pids: Collection[int] | None) -> Sample:
-        n = self._next[index]
-        if n >= len(self._samples[index]):
-            raise TraceEnded
-        self._next[index] = n + 1
-        used, util, procs = self._samples[index][n]
-        return Sample(used, util, None if procs is None else _proc_memory(procs, pids))
-
-    def close(self) -> None:
-        pass
-
-
-def select_gpus(devices: Sequence[DeviceInfo], env: Mapping[str, str]) -> list[DeviceInfo]:
-    """The job's GPUs, from the first of GPU_ENV_VARS that is set; all devices when none is.
-
-    Entries are indices or GPU UUIDs (a unique prefix is enough, as for CUDA; an ambiguous one
-    picks nothing). A set but empty
-    variable, or one naming nothing NVML sees (Slurm's ``NoDevFiles``), means no GPUs.
-    """
-    for var in GPU_ENV_VARS:
-        value = env.get(var)
-        if value is None:
-            continue
-        picked: list[DeviceInfo] = []
-        for word in (w.strip() for w in value.split(",")):
-            hits = [d for d in devices if (d.index == int(word) if word.isdigit() else d.uuid.startswith(word))]
-            if word and len(hits) == 1 and hits[0] not in picked:
-                picked.append(hits[0])
-        return picked
-    return list(devices)
-
-
-class GpuRecord(NamedTuple):
-    index: int
-    uuid: str
-    name: str
-    memory_total_mib: float
-    peak_mem_mib: float
-    peak_proc_mem_mib: float | None
-    mean_util: float
-    max_util: float
-    samples: int
-
-
-class Collected(NamedTuple):
-    samples: int
-    gpus: tuple[GpuRecord, ...]
-    peak_gpu_mem_mib: float
-    mean_gpu_util: float
-    max_gpu_util: float
-
-
-class JobRecord(NamedTuple):
-    """One job on one node: the spool file's content (schema version 1)."""
-
-    version: int
-    source: str
-    cluster: str
-    job_id: str
-    hostname: str
-    user: str | None
-    start: datetime
-    end: datetime
-    interval_s: float
-    samples: int
-    gpus: tuple[GpuRecord, ...]
-    peak_gpu_mem_mib: float
-    mean_gpu_util: float
-    max_gpu_util: float
 
 
 class _GpuStats:
@@ -346,94 +152,6 @@ def _process_tree(root: int) -> frozenset[int]:
 
 # ---- the spool record ------------------------------------------------------------------------
 
-def _iso(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def record_to_json(record: JobRecord) -> dict[str, Any]:
-    out = record._asdict()
-    out.update(start=_iso(record.start), end=_iso(record.end), gpus=[g._asdict() for g in record.gpus])
-    return out
-
-
-def record_filename(record: JobRecord) -> str:
-    return f"{record.cluster}_{record.job_id}_{record.hostname}.json"
-
-
-def write_record(record: JobRecord, spool: str) -> str:
-    """Write ``record`` into ``spool`` as ``<cluster>_<jobid>_<hostname>.json``, mode 0640; return its path."""
-    path = os.path.join(spool, record_filename(record))
-    atomic_write(path, (json.dumps(record_to_json(record), indent=2) + "\n").encode(), 0o640)
-    return path
-
-
-_KINDS = {int: "int", float: "number", str: "string", datetime: "ISO-8601 UTC time"}
-
-
-def _check(kind: Any, value: object) -> object:
-    """``value`` as a record field of type ``kind``; ValueError says what was expected."""
-    optional = type(None) in get_args(kind)
-    if optional:
-        if value is None:
-            return None
-        kind = next(a for a in get_args(kind) if a is not type(None))
-    if kind is int and type(value) is int:
-        return value
-    if kind is float and type(value) in (int, float):
-        return float(value)  # type: ignore[arg-type]
-    if kind is str and isinstance(value, str):
-        return value
-    if kind is datetime and isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            t = datetime.fromisoformat(value)
-            if t.utcoffset() == timedelta(0):
-                return t
-    raise ValueError(f"expected {_KINDS[kind]}{' or null' if optional else ''}, got {json.dumps(value)[:60]}")
-
-
-def _fields(cls: type[Any], obj: object, where: str) -> dict[str, object]:
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where or 'record'}: expected an object")
-    out = {}
-    for field, kind in get_type_hints(cls).items():
-        name = f"{where}.{field}" if where else field
-        if field not in obj:
-            raise ValueError(f"{name}: missing")
-        if field == "gpus":
-            if not isinstance(obj[field], list) or not obj[field]:
-                raise ValueError(f"{name}: expected a non-empty list")
-            out[field] = tuple(GpuRecord(**_fields(GpuRecord, g, f"gpus[{i}]")) for i, g in enumerate(obj[field]))
-            continue
-        try:
-            out[field] = _check(kind, obj[field])
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-    return out
-
-
-def read_record(path: str) -> JobRecord:
-    """Read and validate one spool file; ValueError names the file and the offending field.
-
-    Unknown keys are ignored, so adding a field does not need a new version.
-    """
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{path}: not JSON: {exc}") from None
-    try:
-        if isinstance(data, dict) and data.get("version") != SCHEMA_VERSION:
-            raise ValueError(f"version: expected {SCHEMA_VERSION}, got {json.dumps(data.get('version'))}")
-        record = JobRecord(**_fields(JobRecord, data, ""))
-        if not _JOB_ID.fullmatch(record.job_id):
-            raise ValueError(f"job_id: expected a Slurm job id such as 123, 123_4 or 123+0, got {record.job_id!r}")
-        if record.end < record.start:
-            raise ValueError("end: before start")
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    return record
-
 
 # ---- command line ----------------------------------------------------------------------------
 
@@ -443,7 +161,7 @@ def _warn(message: str) -> int:
 
 
 def _job_id_from_env(env: Mapping[str, str]) -> str | None:
-    """As Slurm prints it: ``<array job>_<task>`` for an array task, else SLURM_JOB_ID.
+    """As Slurm prints it: ``<array job>_<task>`` for an array task, else SLURMJOB_ID.
 
     The node Prolog may lack the array variables (slurm.conf(5) of 22.05 offers them only to
     PrologSlurmctld); there an array task is recorded under its own id, sacct's JobIDRaw.
@@ -485,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.job_id = args.job_id or _job_id_from_env(os.environ)
     if not args.job_id:
         parser.error("--job-id is required outside a Slurm job")
-    if not _JOB_ID.fullmatch(args.job_id):
+    if not JOB_ID.fullmatch(args.job_id):
         parser.error(f"--job-id: not a Slurm job id: {args.job_id!r}")
     if args.command == "stop":
         return _stop(args.run_dir, args.job_id, args.wait)

@@ -257,7 +257,7 @@ def load_submissions(engine: Engine, directory: str, report: Report | None = Non
 
 
 def _gpu_row(path: str) -> dict[str, Any]:
-    from slurmgpu.collector.monitor import read_record
+    from slurmgpu.collector.records import read_record
 
     rec = read_record(path)
     return {

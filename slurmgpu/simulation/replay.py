@@ -323,7 +323,7 @@ def describe(result: Replay) -> str:
 
 def payload(spec_path: str) -> int:
     """Sleep the job's scaled runtime on the card it got and leave the collector's record."""
-    from slurmgpu.collector import monitor
+    from slurmgpu.collector import records as monitor_records
     from slurmgpu.simulation.workload.emit import spool_record
     from slurmgpu.simulation.workload.schedule import Run
 
@@ -349,7 +349,7 @@ def payload(spec_path: str) -> int:
     run = Run(job._replace(job_id=job_id), gpu_type, gpus, os.environ.get("SLURM_JOB_PARTITION", job.partition),
               os.environ.get("SLURMD_NODENAME", "localhost"), indices, start, end, "COMPLETED" if ok else "FAILED",
               0 if ok else 1, used_gpus(job, gpus), peak, model.util(modelled), host_rss_mib(job, gpus))
-    monitor.write_record(spool_record(run, DEFAULT_CLUSTER), spec["spool"])
+    monitor_records.write_record(spool_record(run, DEFAULT_CLUSTER), spec["spool"])
     return 0 if ok else 1
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import NamedTuple
 
-from slurmgpu.collector import monitor
+from slurmgpu.collector import records
 from slurmgpu.simulation.workload.catalog import load_catalog
 from slurmgpu.simulation.workload.cluster import ClusterSpec
 from slurmgpu.simulation.workload.jobs import JobSpec
@@ -111,20 +111,20 @@ def _uuid(cluster: str, host: str, index: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def spool_record(run: Run, cluster: ClusterSpec) -> monitor.JobRecord:
+def spool_record(run: Run, cluster: ClusterSpec) -> records.JobRecord:
     """What slurmgpu-monitor would have written for the run: its GPUs' peaks and means."""
     cat = load_catalog()
     spec = cat.gpu_types[run.gpu_type]
     samples = max(1, int(run.elapsed_s // SAMPLE_INTERVAL_S) + 1)
     peak_util = min(100.0, run.gpu_util * cat.value("util_peak_factor"))
     gpus = tuple(
-        monitor.GpuRecord(index, _uuid(cluster.name, run.host, index), spec.nvml_name, spec.memory_mib, mem, mem,
+        records.GpuRecord(index, _uuid(cluster.name, run.host, index), spec.nvml_name, spec.memory_mib, mem, mem,
                           util, top, samples)
         for n, index in enumerate(run.gpu_indices)
         for mem, util, top in [(run.peak_mem_mib, run.gpu_util, peak_util) if n < run.used_gpus
                                else (float(cat.value("idle_gpu_mem_mib")), 0.0, 0.0)])
-    return monitor.JobRecord(
-        monitor.SCHEMA_VERSION, "synthetic", cluster.name, run.job.job_id, run.host, run.job.user,
+    return records.JobRecord(
+        records.SCHEMA_VERSION, "synthetic", cluster.name, run.job.job_id, run.host, run.job.user,
         run.start.replace(tzinfo=UTC), run.end.replace(tzinfo=UTC), SAMPLE_INTERVAL_S, samples, gpus,
         max(g.peak_mem_mib for g in gpus), sum(g.mean_util for g in gpus) / len(gpus), max(g.max_util for g in gpus))
 
@@ -150,5 +150,5 @@ def emit(out_dir: str, jobs: Sequence[JobSpec], cluster: ClusterSpec,
     with open(sacct_path, "w", encoding="utf-8") as f:
         f.writelines(line + "\n" for line in sacct_lines(runs, cluster))
     for run in runs:
-        monitor.write_record(spool_record(run, cluster), spool)
+        records.write_record(spool_record(run, cluster), spool)
     return Emitted(runs, scripts, sacct_path, spool)

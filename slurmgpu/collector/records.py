@@ -1,0 +1,155 @@
+"""Per-job GPU records: what the collector writes into the spool and the ingest reads back, strictly typed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any, NamedTuple, get_args, get_type_hints
+
+from slurmgpu.pipeline.spool import atomic_write
+
+SCHEMA_VERSION = 1
+
+
+JOB_ID = re.compile(r"\d+(?:[_+]\d+)?")  # as Slurm prints it: 123, 123_4 (array), 123+1 (hetjob)
+
+
+class GpuRecord(NamedTuple):
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: float
+    peak_mem_mib: float
+    peak_proc_mem_mib: float | None
+    mean_util: float
+    max_util: float
+    samples: int
+
+
+
+class Collected(NamedTuple):
+    samples: int
+    gpus: tuple[GpuRecord, ...]
+    peak_gpu_mem_mib: float
+    mean_gpu_util: float
+    max_gpu_util: float
+
+
+
+class JobRecord(NamedTuple):
+    """One job on one node: the spool file's content (schema version 1)."""
+
+    version: int
+    source: str
+    cluster: str
+    job_id: str
+    hostname: str
+    user: str | None
+    start: datetime
+    end: datetime
+    interval_s: float
+    samples: int
+    gpus: tuple[GpuRecord, ...]
+    peak_gpu_mem_mib: float
+    mean_gpu_util: float
+    max_gpu_util: float
+
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+
+def record_to_json(record: JobRecord) -> dict[str, Any]:
+    out = record._asdict()
+    out.update(start=_iso(record.start), end=_iso(record.end), gpus=[g._asdict() for g in record.gpus])
+    return out
+
+
+
+def record_filename(record: JobRecord) -> str:
+    return f"{record.cluster}_{record.job_id}_{record.hostname}.json"
+
+
+
+def write_record(record: JobRecord, spool: str) -> str:
+    """Write ``record`` into ``spool`` as ``<cluster>_<jobid>_<hostname>.json``, mode 0640; return its path."""
+    path = os.path.join(spool, record_filename(record))
+    atomic_write(path, (json.dumps(record_to_json(record), indent=2) + "\n").encode(), 0o640)
+    return path
+
+
+
+_KINDS = {int: "int", float: "number", str: "string", datetime: "ISO-8601 UTC time"}
+
+
+
+def _check(kind: Any, value: object) -> object:
+    """``value`` as a record field of type ``kind``; ValueError says what was expected."""
+    optional = type(None) in get_args(kind)
+    if optional:
+        if value is None:
+            return None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if kind is int and type(value) is int:
+        return value
+    if kind is float and type(value) in (int, float):
+        return float(value)  # type: ignore[arg-type]
+    if kind is str and isinstance(value, str):
+        return value
+    if kind is datetime and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            t = datetime.fromisoformat(value)
+            if t.utcoffset() == timedelta(0):
+                return t
+    raise ValueError(f"expected {_KINDS[kind]}{' or null' if optional else ''}, got {json.dumps(value)[:60]}")
+
+
+
+def _fields(cls: type[Any], obj: object, where: str) -> dict[str, object]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where or 'record'}: expected an object")
+    out = {}
+    for field, kind in get_type_hints(cls).items():
+        name = f"{where}.{field}" if where else field
+        if field not in obj:
+            raise ValueError(f"{name}: missing")
+        if field == "gpus":
+            if not isinstance(obj[field], list) or not obj[field]:
+                raise ValueError(f"{name}: expected a non-empty list")
+            out[field] = tuple(GpuRecord(**_fields(GpuRecord, g, f"gpus[{i}]")) for i, g in enumerate(obj[field]))
+            continue
+        try:
+            out[field] = _check(kind, obj[field])
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    return out
+
+
+
+def read_record(path: str) -> JobRecord:
+    """Read and validate one spool file; ValueError names the file and the offending field.
+
+    Unknown keys are ignored, so adding a field does not need a new version.
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    try:
+        if isinstance(data, dict) and data.get("version") != SCHEMA_VERSION:
+            raise ValueError(f"version: expected {SCHEMA_VERSION}, got {json.dumps(data.get('version'))}")
+        record = JobRecord(**_fields(JobRecord, data, ""))
+        if not JOB_ID.fullmatch(record.job_id):
+            raise ValueError(f"job_id: expected a Slurm job id such as 123, 123_4 or 123+0, got {record.job_id!r}")
+        if record.end < record.start:
+            raise ValueError("end: before start")
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return record
