@@ -26,7 +26,7 @@ from slurmgpu.cli.main import main
 from slurmgpu.cli.report import report_cmd
 from slurmgpu.history import db
 from slurmgpu.history.db import GpuUsage, Job, Submission
-from slurmgpu.reporting import report
+from slurmgpu.reporting import queries, render, report
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_CONFIG = ROOT / "contrib" / "slurmgpu.toml"
@@ -205,11 +205,11 @@ def test_empty_window_prints_empty_report(tmp_path: Path) -> None:
     assert data["totals"]["jobs"] == 0 and data["totals"]["mem_used_share"] is None and data["users"] == []
 
 
-def use(**fields: Any) -> report.JobUse:
+def use(**fields: Any) -> queries.JobUse:
     base = {"job_id": "1", "user": "u", "account": "a", "gpu_type": "a100", "gpu_count": 4, "elapsed_s": 7200,
             "state": "COMPLETED", "end_time": datetime(2026, 1, 2), "peak_mib": None, "max_util": None,
             "gpus_busy": None, "original": None, "decision": None, "changed": False}
-    return report.JobUse(**(base | fields))
+    return queries.JobUse(**(base | fields))
 
 
 def test_change_descriptions_and_estimates() -> None:
@@ -233,9 +233,9 @@ def test_html_escapes_names_and_renders_an_empty_window() -> None:
     evil = "<script>alert(1)</script>"
     rep = report.build([use(user=evil, account='"><img src=x>', gpu_type="<b>")], None,
                        datetime(2026, 1, 1), datetime(2026, 1, 31))
-    page = report.to_html(rep, datetime(2026, 2, 1))
+    page = render.to_html(rep, datetime(2026, 2, 1))
     assert "<script" not in page and "<img" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
-    empty = report.to_html(report.build([], None, datetime(2026, 1, 1), datetime(2026, 1, 2)), datetime(2026, 1, 2))
+    empty = render.to_html(report.build([], None, datetime(2026, 1, 1), datetime(2026, 1, 2)), datetime(2026, 1, 2))
     assert empty.count("None in this window.") == 3
 
 

@@ -33,7 +33,7 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
     """GPU use over a time window: allocated vs used per GPU type, over-requests and OOMs per
     user and account, and what slurmgpu changed with the GPU-hours and queue time it saved."""
     from slurmgpu.history.db import utcnow
-    from slurmgpu.reporting import report
+    from slurmgpu.reporting import queries, render, report
 
     if os.geteuid() != 0:
         me = current_user()
@@ -46,24 +46,24 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
         fail(InputError("the window is empty: --since must be before --until", option="--since"))
     config = site_config(ctx, required=False)
     cluster = cluster or (config.site.cluster if config else None)
-    jobs = report.load_jobs(history_engine(ctx), start, end, user=user, account=account, cluster=cluster)
+    jobs = queries.load_jobs(history_engine(ctx), start, end, user=user, account=account, cluster=cluster)
     result = report.build(jobs, config, start, end, user)
     if html_path:
         from slurmgpu.pipeline.spool import atomic_write
 
         try:  # atomically: a web server never serves half a page
-            atomic_write(html_path, report.to_html(result, utcnow()).encode(), 0o644)
+            atomic_write(html_path, render.to_html(result, utcnow()).encode(), 0o644)
         except OSError as exc:
             fail(InputError(f"cannot write: {exc.strerror}", file=html_path))
         click.echo(f"wrote {html_path}: {len(jobs)} GPU jobs", err=True)
     if fmt == "json":
-        click.echo(report.to_json(result))
+        click.echo(render.to_json(result))
     elif fmt == "csv":
-        click.echo(report.to_csv(result), nl=False)
+        click.echo(render.to_csv(result), nl=False)
     elif fmt == "table" or not html_path:
         from rich.console import Console
 
-        report.print_tables(result, Console())
+        render.print_tables(result, Console())
 
 
 @click.command("doctor")

@@ -54,7 +54,8 @@ from slurmgpu.pipeline.features import script_features
 from slurmgpu.pipeline.policy import Decider, ModelDecider, RuleDecider
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
-from slurmgpu.reporting.report import IDLE_UTIL_PCT, PALETTE, _axis
+from slurmgpu.reporting.queries import IDLE_UTIL_PCT
+from slurmgpu.reporting.render import PALETTE, axis_scale
 from slurmgpu.simulation.simulator import (
     Efficiency,
     SimCluster,
@@ -451,12 +452,12 @@ def line_chart(title: str, x_label: str, y_label: str, series: Series, *, log_x:
         def fx(x: float) -> float:
             return (math.log10(x) - lo) / (hi - lo)
     else:
-        step, n = _axis(max(xs))
+        step, n = axis_scale(max(xs))
         ticks = [(step * i, f"{step * i:g}") for i in range(n + 1)]
 
         def fx(x: float) -> float:
             return x / (step * n)
-    ystep, yn = _axis(y_max if y_max is not None else max(y for _, pts in series for _, y in pts))
+    ystep, yn = axis_scale(y_max if y_max is not None else max(y for _, pts in series for _, y in pts))
     ytop = ystep * yn
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',

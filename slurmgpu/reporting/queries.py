@@ -1,0 +1,116 @@
+"""What a report reads from the history database: each GPU job with its hosts' GPU use and its
+submission record."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from slurmgpu.history.db import GpuUsage, Job, Submission
+
+IDLE_UTIL_PCT = 5.0  # a job whose GPUs never got busier than this did no real GPU work
+IDLE_PEAK_MIB = 256.0  # less than a CUDA context takes: the job never opened its GPUs
+UNTYPED = "untyped"
+
+
+class JobUse(NamedTuple):
+    """One GPU job of the window with its measurements and, if gsbatch submitted it, its decision."""
+
+    job_id: str
+    user: str
+    account: str
+    gpu_type: str
+    gpu_count: int
+    elapsed_s: int
+    state: str
+    end_time: datetime
+    peak_mib: float | None  # per GPU
+    max_util: float | None  # percent
+    gpus_busy: int | None  # GPUs that reached IDLE_UTIL_PCT; None without per-GPU figures
+    original: Mapping[str, Any] | None
+    decision: Mapping[str, Any] | None
+    changed: bool
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpu_count * self.elapsed_s / 3600.0
+
+    @property
+    def idle(self) -> bool:
+        return ((self.max_util is not None and self.max_util < IDLE_UTIL_PCT)
+                or (self.peak_mib is not None and self.peak_mib < IDLE_PEAK_MIB))
+
+
+
+def load_jobs(engine: Engine, since: datetime, until: datetime, user: str | None = None,
+              account: str | None = None, cluster: str | None = None) -> list[JobUse]:
+    """GPU jobs that ended in [since, until) (naive UTC), with their collector rows and submission.
+
+    Those are matched here rather than joined in SQL: the keys are ids as text on one side and
+    numbers on the other, and a cast in the join trips MariaDB's collation rules.
+    """
+    stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.het_job_id, Job.user, Job.account,
+                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.state, Job.end_time, Job.sacct_gpu_mem_mib,
+                   Job.sacct_gpu_util)
+            .where(Job.gpu_count > 0, Job.end_time >= since, Job.end_time < until)
+            .order_by(Job.end_time, Job.id))
+    if user is not None:
+        stmt = stmt.where(Job.user == user)
+    if account is not None:
+        stmt = stmt.where(Job.account == account)
+    if cluster is not None:
+        stmt = stmt.where(Job.cluster == cluster)
+    with engine.connect() as conn:
+        jobs = conn.execute(stmt).all()
+        usage = _rows_by_id(conn, GpuUsage.__table__, {k for j in jobs for k in _usage_keys(j)})
+        subs = _rows_by_id(conn, Submission.__table__, {k for j in jobs for k in _submission_keys(j)})
+    return [_job_use(j, [u for k in _usage_keys(j) for u in usage.get(k, ())],
+                     next((s for k in _submission_keys(j) for s in subs.get(k, ())), None)) for j in jobs]
+
+
+
+def _usage_keys(job: Any) -> tuple[tuple[str, str], ...]:
+    """A prolog-started collector may only know an array task's raw id."""
+    raw = str(job.job_id_raw) if job.job_id_raw is not None else job.job_id
+    return ((job.cluster, job.job_id),) if raw == job.job_id else ((job.cluster, job.job_id), (job.cluster, raw))
+
+
+
+def _submission_keys(job: Any) -> tuple[tuple[str, str], ...]:
+    """gsbatch records the id sbatch printed: an array's or hetjob's, shared by its tasks/components."""
+    shared = job.array_job_id if job.array_job_id is not None else job.het_job_id
+    return ((job.cluster, str(shared)),) if shared is not None else ((job.cluster, job.job_id),)
+
+
+
+def _rows_by_id(conn: Any, table: Any, keys: set[tuple[str, str]],
+                chunk: int = 900) -> dict[tuple[str, str], list[Any]]:
+    """Rows of table whose (cluster, job_id) is one of keys, in chunks under every backend's bind limit."""
+    ids = sorted({job_id for _, job_id in keys})
+    out: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for start in range(0, len(ids), chunk):
+        for row in conn.execute(select(table).where(table.c.job_id.in_(ids[start:start + chunk]))):
+            if (row.cluster, row.job_id) in keys:
+                out[(row.cluster, row.job_id)].append(row)
+    return out
+
+
+
+def _job_use(job: Any, hosts: list[Any], sub: Any) -> JobUse:
+    """One job with its collector rows (one per host) folded: peaks are maxima, busy GPUs a sum."""
+    if hosts:
+        peak: float | None = max(h.peak_mem_mib for h in hosts)
+        utils = [h.max_util for h in hosts if h.max_util is not None]
+        util = max(utils) if utils else None
+        busy = (sum(1 for h in hosts for g in h.detail if (g.get("max_util") or 0.0) >= IDLE_UTIL_PCT)
+                if all(isinstance(h.detail, list) and h.detail for h in hosts) else None)
+    else:
+        peak, util, busy = job.sacct_gpu_mem_mib, job.sacct_gpu_util, None
+    return JobUse(job.job_id, job.user or "?", job.account or "-", job.gpu_type or UNTYPED, job.gpu_count,
+                  job.elapsed_s or 0, job.state, job.end_time, peak, util, busy,
+                  sub.original_request if sub else None, sub.decision if sub else None, bool(sub and sub.changed))

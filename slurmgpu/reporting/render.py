@@ -1,0 +1,256 @@
+"""A built report as JSON, CSV, terminal tables and a self-contained HTML page with inline SVG charts."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from slurmgpu.reporting.report import DEFINITIONS, ChangeRow, Report, TypeRow, UserRow
+
+
+def _iso(t: datetime) -> str:
+    return t.isoformat(timespec="seconds") + "Z"
+
+
+
+def _rounded(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+
+def to_json(report: Report) -> str:
+    return json.dumps({
+        "window": {"since": _iso(report.since), "until": _iso(report.until)},
+        "user": report.user,
+        "totals": _rounded(report.totals()),
+        "gpu_types": [_rounded(t._asdict()) for t in report.types],
+        "users": [_rounded(u._asdict()) for u in report.users],
+        "changes": [_rounded(c._asdict()) for c in report.changes],
+        "daily": [{"date": d.isoformat(), "gpu_type": t, "gpu_hours": round(h, 4)}
+                  for d, per in report.daily.items() for t, h in sorted(per.items())],
+        "definitions": DEFINITIONS,
+    }, indent=2)
+
+
+
+CSV_COLUMNS = ("section", "gpu_type", "user", "account", "change", *(
+    f for f in (*TypeRow._fields, *UserRow._fields, *ChangeRow._fields)
+    if f not in ("gpu_type", "user", "account", "change")))
+
+
+
+def to_csv(report: Report) -> str:
+    """One CSV: a ``section`` column (gpu_type, user, change) and the union of the sections' columns."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(dict.fromkeys(CSV_COLUMNS)), lineterminator="\n")
+    writer.writeheader()
+    for section, rows in (("gpu_type", report.types), ("user", report.users), ("change", report.changes)):
+        for row in rows:
+            writer.writerow({"section": section, **{k: "" if v is None else v for k, v in _rounded(row._asdict())
+                                                    .items()}})
+    return out.getvalue()
+
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+
+def _ratio(used: int, asked: int) -> str:
+    return f"{used}/{asked}" if asked else "-"
+
+
+
+TEXT_COLUMNS = {"GPU type", "user", "account", "change"}
+
+
+
+def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[str, ...]]]]:
+    """The three tables as display strings: shared by the terminal and the HTML page."""
+    return {
+        "GPU types": (("GPU type", "jobs", "GPU-h", "idle GPU-h", "measured GPU-h", "memory used"), [
+            (t.gpu_type, str(t.jobs), _num(t.gpu_hours), _num(t.idle_gpu_hours), _num(t.measured_gpu_hours),
+             _pct(t.mem_used_share)) for t in report.types]),
+        "Users and accounts": (("user", "account", "jobs", "GPU-h", "idle GPU-h", "GiB/GPU asked", "GiB/GPU used",
+                                "memory used", "GPUs busy/asked", "OOMs", "changed", "GPU-h saved",
+                                "queue h saved"), [
+            (u.user, u.account, str(u.jobs), _num(u.gpu_hours), _num(u.idle_gpu_hours), _num(u.mem_asked_gib),
+             _num(u.mem_used_gib), _pct(u.mem_used_share), _ratio(u.gpus_busy, u.gpus_asked), str(u.ooms),
+             str(u.changed), _num(u.gpu_hours_saved), _num(u.queue_hours_saved)) for u in report.users]),
+        "Changes by slurmgpu": (("change", "jobs", "users", "GPU-h saved", "queue h saved"), [
+            (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
+            for c in report.changes]),
+    }
+
+
+
+def headline(report: Report) -> str:
+    t = report.totals()
+    scope = f"user {report.user}" if report.user else "all users"
+    return (f"{_iso(report.since)} .. {_iso(report.until)}, {scope}: {t['jobs']} GPU jobs, "
+            f"{_num(t['gpu_hours'])} GPU-h ({_num(t['idle_gpu_hours'])} idle), memory used "
+            f"{_pct(t['mem_used_share'])}, {t['ooms']} OOMs, {t['changed']} changed by slurmgpu "
+            f"({_num(t['gpu_hours_saved'])} GPU-h saved)")
+
+
+
+def print_tables(report: Report, console: Any) -> None:
+    from rich.table import Table
+    from rich.text import Text as RichText
+
+    console.print(RichText(headline(report)))
+    for title, (header, rows) in table_rows(report).items():
+        table = Table(title=title)
+        for name in header:
+            table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right")
+        for row in rows:
+            table.add_row(*(RichText(cell) for cell in row))  # names are data, never rich markup
+        console.print(table)
+
+
+
+PALETTE = ("#3b6fb6", "#e08a2c", "#3c9a5f", "#c2443d", "#7c5fb0", "#8a6a4f", "#d377b4", "#6f7782")
+
+
+
+IDLE_COLOR = "#c8cdd4"
+
+
+
+USER_COLOR = "#52637f"
+
+
+
+class Rect(NamedTuple):
+    x: float
+    y: float
+    w: float
+    h: float
+    color: str
+    tip: str
+
+
+
+class Text(NamedTuple):
+    x: float
+    y: float
+    text: str
+    anchor: str = "start"
+    css: str = ""
+
+
+
+class Chart(NamedTuple):
+    """An SVG chart as plain shapes; the template draws them, escaping every label."""
+
+    title: str
+    width: int
+    height: int
+    rects: list[Rect]
+    texts: list[Text]
+    grid: list[tuple[float, float, float, float]]
+    legend: list[tuple[str, str]]
+
+
+
+def bar_chart(title: str, rows: Sequence[tuple[str, Sequence[tuple[float, str, str]]]], unit: str,
+              legend: list[tuple[str, str]]) -> Chart:
+    """Horizontal stacked bars: one row per label, segments of (value, colour, tooltip)."""
+    width, left, right, row_h = 560, 150, 80, 26
+    height = 10 + row_h * max(len(rows), 1)
+    top = max((sum(v for v, _, _ in segs) for _, segs in rows), default=0.0) or 1.0
+    scale = (width - left - right) / top
+    rects, texts = [], []
+    for i, (label, segs) in enumerate(rows):
+        y, x = 8 + i * row_h, float(left)
+        texts.append(Text(left - 8, y + 15, label[:22], "end"))
+        for value, color, tip in segs:
+            rects.append(Rect(x, y, max(value * scale, 0.0), row_h - 8, color, tip))
+            x += max(value * scale, 0.0)
+        texts.append(Text(x + 6, y + 15, f"{sum(v for v, _, _ in segs):,.0f} {unit}", css="value"))
+    return Chart(title, width, height, rects, texts, [], legend)
+
+
+
+def axis_scale(value: float) -> tuple[float, int]:
+    """A round step (1, 2, 2.5 or 5 x 10^k) and at most 5 of them reaching value: the y axis."""
+    if value <= 0:
+        return 1.0, 4
+    magnitude = 10 ** math.floor(math.log10(value / 5))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude * 5 >= value)
+    return step, math.ceil(value / step - 1e-9)
+
+
+
+def daily_chart(report: Report, colors: Mapping[str, str]) -> Chart:
+    """GPU-hours per day, stacked by GPU type, every day of the window shown."""
+    first, last = report.since.date(), (report.until - timedelta(microseconds=1)).date()
+    days = [first + timedelta(days=i) for i in range((last - first).days + 1)]
+    width, left, bottom, height = 1100, 60, 30, 280
+    plot_h = height - bottom - 12
+    tick, ticks = axis_scale(max((sum(report.daily.get(d, {}).values()) for d in days), default=0.0))
+    top = tick * ticks
+    step = (width - left - 10) / len(days)
+    rects, texts, grid = [], [], []
+    for k in range(ticks + 1):
+        value, y = tick * k, 12 + plot_h - plot_h * k / ticks
+        grid.append((left, y, width - 10, y))
+        texts.append(Text(left - 6, y + 4, f"{value:,.0f}", "end", "axis"))
+    label_every = max(1, len(days) // 10)
+    for i, d in enumerate(days):
+        x, y = left + i * step, 12 + plot_h
+        for gtype, hours in sorted(report.daily.get(d, {}).items()):
+            h = hours / top * plot_h
+            y -= h
+            rects.append(Rect(x + step * 0.1, y, step * 0.8, h, colors[gtype], f"{d}: {hours:,.1f} GPU-h {gtype}"))
+        if i % label_every == 0:
+            texts.append(Text(x + step / 2, height - 10, d.strftime("%b %d"), "middle", "axis"))
+    return Chart("GPU-hours per day by GPU type", width, height, rects, texts, grid,
+                 [(t, colors[t]) for t in sorted(colors)])
+
+
+
+def charts(report: Report) -> list[Chart]:
+    colors = {t.gpu_type: PALETTE[i % len(PALETTE)] for i, t in enumerate(report.types)}
+    per_type = [(t.gpu_type, [(t.gpu_hours - t.idle_gpu_hours, colors[t.gpu_type], f"{t.gpu_type}: busy"),
+                              (t.idle_gpu_hours, IDLE_COLOR, f"{t.gpu_type}: idle")]) for t in report.types]
+    top_users = [(f"{u.user} ({u.account})", [(u.gpu_hours - u.idle_gpu_hours, USER_COLOR, f"{u.user}: busy"),
+                                              (u.idle_gpu_hours, IDLE_COLOR, f"{u.user}: idle")])
+                 for u in report.users[:12]]
+    idle_legend = [("busy", USER_COLOR), ("idle", IDLE_COLOR)]
+    return [daily_chart(report, colors),
+            bar_chart("Allocated GPU-hours by type (grey: idle)", per_type, "GPU-h", [("idle", IDLE_COLOR)]),
+            bar_chart("Top users by GPU-hours", top_users, "GPU-h", idle_legend)]
+
+
+
+def to_html(report: Report, generated: datetime) -> str:
+    """A self-contained page: inline CSS and SVG, no script, no external reference."""
+    import jinja2
+
+    from slurmgpu.pipeline.rewrite import templates_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
+                             autoescape=True)
+    t = report.totals()
+    tiles = [("GPU jobs", f"{t['jobs']:,}"), ("GPU-hours", _num(t["gpu_hours"], 0)),
+             ("idle GPU-hours", f"{_num(t['idle_gpu_hours'], 0)} ({_pct(t['idle_gpu_hours'] / t['gpu_hours'])})"
+              if t["gpu_hours"] else "-"),
+             ("GPU memory used", _pct(t["mem_used_share"])), ("OOM jobs", str(t["ooms"])),
+             ("changed by slurmgpu", str(t["changed"])), ("GPU-hours saved (est.)", _num(t["gpu_hours_saved"], 0)),
+             ("queue hours saved (est.)", _num(t["queue_hours_saved"]))]
+    return env.get_template("report/report.html.j2").render(
+        since=_iso(report.since), until=_iso(report.until), generated=_iso(generated),
+        scope=f"user {report.user}" if report.user else "all users", tiles=tiles, charts=charts(report),
+        tables=table_rows(report), text_columns=TEXT_COLUMNS, definitions=DEFINITIONS)
