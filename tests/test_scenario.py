@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurmgpu.pipeline.features import script_features
-from slurmgpu.simulation import scenario
+from slurmgpu.simulation import scenario, scenario_report
 from slurmgpu.simulation.workload import LARGE_CLUSTER, fits, load_catalog
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -26,7 +26,7 @@ def evaluation() -> scenario.Evaluation:
 @pytest.fixture(scope="module")
 def report_dir(evaluation: scenario.Evaluation, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("report")
-    scenario.write_report(evaluation, str(out))
+    scenario_report.write_report(evaluation, str(out))
     return out
 
 

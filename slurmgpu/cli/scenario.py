@@ -24,11 +24,11 @@ def scenario_cmd(name: str, jobs: int | None, seed: int | None, report_dir: str)
     estimate); slurmgpu's model decider, trained on the first 30% of the jobs; an oracle that knows
     true memory and runtime. Prints a markdown table (one row per policy) on stdout.
     """
-    from slurmgpu.simulation import scenario
+    from slurmgpu.simulation import scenario, scenario_report
 
     chosen = scenario.SCENARIOS[name]
     chosen = chosen._replace(jobs=jobs or chosen.jobs, seed=chosen.seed if seed is None else seed)
     evaluation = scenario.evaluate(chosen, progress=lambda msg: click.echo(f"slurmgpu: {msg}", err=True))
-    click.echo(scenario.markdown_table(evaluation), nl=False)
-    for path in scenario.write_report(evaluation, report_dir):
+    click.echo(scenario_report.markdown_table(evaluation), nl=False)
+    for path in scenario_report.write_report(evaluation, report_dir):
         click.echo(f"slurmgpu: wrote {path}", err=True)
