@@ -49,3 +49,39 @@ def test_compare_with_cluster(sample_config: Path) -> None:
     assert "partition gpu: GPU type v100 is configured but no node offers it" in problems
     assert "partition gpu-small is configured but does not exist in the cluster" in problems
     assert "partition gpu: the cluster offers GPU type h100, unknown to the config" in problems
+
+
+def test_cached_config_follows_the_file(tmp_path: Path) -> None:
+    """gsbatch's parsed-config cache: a hit gives the same config, an edit is seen at once,
+    and a cache written for another file version is never used."""
+    path, cache = tmp_path / "slurmgpu.toml", tmp_path / "cache"
+    path.write_text(BASE)
+    first = load_config(path, str(cache))
+    [stored] = cache.iterdir()
+    assert stored.stat().st_mode & 0o777 == 0o600
+    assert load_config(path, str(cache)) == first
+    path.write_text(BASE.replace("memory_gib = 80", "memory_gib = 40"))
+    assert load_config(path, str(cache)).gpu_types["a100"].memory_gib == 40
+    text = stored.read_text()
+    stored.write_text(text.replace('"memory_gib": 40', '"memory_gib": 24'))  # same key, other content:
+    assert load_config(path, str(cache)).gpu_types["a100"].memory_gib == 24  # the cache is what is read
+    path.write_text(BASE.replace("memory_gib = 80", "memory_gib = 41"))
+    assert load_config(path, str(cache)).gpu_types["a100"].memory_gib == 41  # new mtime/size: stale cache ignored
+
+
+def test_a_cache_hit_skips_the_toml_parser(tmp_path: Path, sample_config: Path) -> None:
+    import subprocess
+    import sys
+
+    program = ("import sys; from slurmgpu.pipeline.config import load_config; "
+               f"load_config({str(sample_config)!r}, {str(tmp_path)!r}); print('tomllib' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)]
+    assert runs == ["True", "False"]
+
+
+def test_bad_toml_is_reported_with_the_cache_too(tmp_path: Path) -> None:
+    path = tmp_path / "slurmgpu.toml"
+    path.write_text(BASE + "oops = \n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(path, str(tmp_path / "cache"))

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from slurmgpu.pipeline.config import Config, find_config, load_config
+from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
 from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider, make_decider
 from slurmgpu.pipeline.request import JobRequest
 from slurmgpu.slurm.backend import SlurmBackend
@@ -21,7 +21,7 @@ DECIDED_MARKER = "SLURMGPU_DECIDED"
 
 def load_site(config_path: str | None, env: Mapping[str, str]) -> Config | None:
     path = find_config(config_path, env)
-    return load_config(path) if path else None
+    return load_config(path, user_cache_dir(env)) if path else None
 
 
 def model_path(config: Config | None, env: Mapping[str, str]) -> str:
@@ -104,7 +104,7 @@ def cached_free_gpus(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float
     import time
 
     def free() -> dict[str, int]:
-        path = os.path.join(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache"), "slurmgpu", "free-gpus.json")
+        path = os.path.join(user_cache_dir(env), "free-gpus.json")
         try:
             if time.time() - os.stat(path).st_mtime < ttl_s:
                 with open(path) as fh:

@@ -7,9 +7,9 @@ instead of surfacing as a wrong decision later.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -94,19 +94,69 @@ def find_config(explicit: str | None = None, env: Mapping[str, str] | None = Non
     return SYSTEM_CONFIG if os.path.exists(SYSTEM_CONFIG) else None
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
+def user_cache_dir(env: Mapping[str, str]) -> str:
+    """The submitting user's own cache directory ($XDG_CACHE_HOME/slurmgpu, else ~/.cache/slurmgpu)."""
+    return os.path.join(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache"), "slurmgpu")
+
+
+def load_config(path: str | os.PathLike[str], cache_dir: str | None = None) -> Config:
+    """Read and check the config file.
+
+    With ``cache_dir`` (gsbatch passes the user's own), the parsed file is kept there as JSON,
+    keyed by the file's identity (device, inode, size, mtime), so a submission does not pay for
+    the TOML parser when the file has not changed; the checks below run on every load.
+    """
     path = str(path)
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            st = os.fstat(fh.fileno())
+            key = [path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+            cache = os.path.join(cache_dir, "config-" + path.replace("%", "%25").replace("/", "%2F") + ".json") \
+                if cache_dir else None
+            raw = _cached(cache, key) if cache else None
+            if raw is None:
+                raw = _parse_toml(fh, path)
+                if cache:
+                    _store(cache, key, raw)
     except FileNotFoundError:
         raise ConfigError("config file not found", file=path) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config: {exc.strerror}", file=path) from None
+    return parse_config(raw, path)
+
+
+def _parse_toml(fh: Any, path: str) -> dict[str, Any]:
+    import tomllib  # only when the cache misses: the parser is a good part of gsbatch's start-up
+
+    try:
+        return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         line = getattr(exc, "lineno", None)
         raise ConfigError(f"invalid TOML: {getattr(exc, 'msg', exc)}", file=path, line=line) from None
-    return parse_config(raw, path)
+
+
+def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
+    """The parsed config kept for exactly this file, or None (missing, stale, unreadable)."""
+    try:
+        with open(cache, encoding="utf-8") as fh:
+            stored = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if isinstance(stored, dict) and stored.get("key") == key and isinstance(stored.get("config"), dict):
+        return stored["config"]
+    return None
+
+
+def _store(cache: str, key: list[Any], raw: dict[str, Any]) -> None:
+    """Keep the parsed config for the next load; a config JSON cannot hold (TOML dates) is not kept."""
+    from slurmgpu.pipeline.spool import atomic_write
+
+    try:
+        data = json.dumps({"key": key, "config": raw}).encode()
+        os.makedirs(os.path.dirname(cache), mode=0o700, exist_ok=True)
+        atomic_write(cache, data, 0o600)
+    except (OSError, TypeError, ValueError):
+        pass
 
 
 class _Table:

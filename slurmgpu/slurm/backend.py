@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -73,6 +72,8 @@ class CliBackend:
         self.sbatch, self.sinfo, self.timeout = sbatch, sinfo, timeout
 
     def _run(self, argv: list[str]) -> str:
+        import subprocess  # queries only: a submission spawns sbatch without it (see submit)
+
         try:
             res = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False)
         except FileNotFoundError:
@@ -116,27 +117,58 @@ class CliBackend:
 
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
         """Run sbatch; its stderr is the terminal's, its stdout is passed through line by line
-        as it comes (so ``--wait`` still shows the job id at once) and read for the job id."""
-        argv = [self.sbatch, *words]
-        try:
-            proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.PIPE if stdin is not None else None,
-                                    stdout=subprocess.PIPE)
-        except FileNotFoundError:
-            raise SlurmError(f"{self.sbatch} not found on PATH") from None
+        as it comes (so ``--wait`` still shows the job id at once) and read for the job id.
+
+        Spawned with posix_spawn rather than subprocess: a submission is gsbatch's hot path, and
+        the subprocess module costs more to import than sbatch takes to run.
+        """
+        path = _which(self.sbatch, env)
+        if path is None:
+            raise SlurmError(f"{self.sbatch} not found on PATH")
+        out_r, out_w = os.pipe()
+        actions = [(os.POSIX_SPAWN_DUP2, out_w, 1)]
+        in_r = in_w = -1
         if stdin is not None:
-            assert proc.stdin is not None
-            proc.stdin.write(stdin)
-            proc.stdin.close()
-        assert proc.stdout is not None
+            in_r, in_w = os.pipe()
+            actions.append((os.POSIX_SPAWN_DUP2, in_r, 0))
+        try:
+            pid = os.posix_spawn(path, [self.sbatch, *words], dict(env), file_actions=actions)
+        except BaseException:
+            for fd in (out_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            os.close(out_w)
+            if in_r >= 0:
+                os.close(in_r)
+        if stdin is not None:
+            with open(in_w, "wb") as to_sbatch:
+                try:
+                    to_sbatch.write(stdin)
+                except BrokenPipeError:  # sbatch stopped reading: its exit status says why
+                    pass
         out = sys.stdout.buffer
         job_id = None
-        for line in proc.stdout:
-            out.write(line)
-            out.flush()
-            m = _JOB_ID.match(line) if job_id is None else None
-            if m:
-                job_id = m.group(1).decode()
-        return Submitted(proc.wait(), job_id)
+        with open(out_r, "rb") as from_sbatch:
+            for line in from_sbatch:
+                out.write(line)
+                out.flush()
+                m = _JOB_ID.match(line) if job_id is None else None
+                if m:
+                    job_id = m.group(1).decode()
+        return Submitted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), job_id)
+
+
+def _which(command: str, env: Mapping[str, str]) -> str | None:
+    """COMMAND as the child's PATH finds it (as subprocess does), or None."""
+    if os.sep in command:
+        return command if os.access(command, os.X_OK) else None
+    for directory in os.get_exec_path(dict(env)):
+        candidate = os.path.join(directory, command)
+        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return None
 
 
 class PyslurmBackend(CliBackend):
