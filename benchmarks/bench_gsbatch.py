@@ -8,14 +8,18 @@ request is kept, <= 4.5 when it is rewritten. Usage: make bench-gsbatch [RUNS=40
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +53,45 @@ def timed(argv: list[str], cwd: str, env: dict[str, str]) -> tuple[float, str]:
     return time.perf_counter() - t0, res.stdout
 
 
+@contextlib.contextmanager
+def daemon(config: Path, tmp: str) -> Iterator[str]:
+    """`slurmgpu serve` for CONFIG on a socket in TMP, as a site runs it for the Lua hook."""
+    sock = os.path.join(tmp, "run", "slurmgpu.sock")
+    os.makedirs(os.path.dirname(sock), mode=0o755)
+    group = grp.getgrgid(os.getgid()).gr_name
+    proc = subprocess.Popen([str(BIN / "slurmgpu"), "--config", str(config), "serve", "--socket", sock,
+                             "--group", group], stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("slurmgpu serve did not create its socket")
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def measure(runs: int, script: Path, tmp: str, env: dict[str, str], ids: list[str]) -> dict[str, float]:
+    """Bare Python start, sbatch and gsbatch in turn (rotated), after two warm-up rounds."""
+    times: dict[str, list[float]] = {"python": [], "sbatch": [], "gsbatch": []}
+    order = ["python", "sbatch", "gsbatch"]
+    for i in range(runs + 2):
+        for tool in order[i % 3:] + order[:i % 3]:  # rotate so no tool always runs first
+            argv = [sys.executable, "-c", "pass"] if tool == "python" else [tool, "--hold", "--parsable", str(script)]
+            dt, out = timed(argv, tmp, env)
+            if tool != "python":
+                ids.append(out.strip())
+            if i >= 2:
+                times[tool].append(dt)
+    py, sb, gs = (statistics.median(times[t]) for t in order)
+    return {"runs": runs, "python_median_ms": py * 1e3, "sbatch_median_ms": sb * 1e3, "gsbatch_median_ms": gs * 1e3,
+            "added_median_ms": (gs - sb) * 1e3, "added_over_python": (gs - sb) / py,
+            "gsbatch_p90_ms": statistics.quantiles(times["gsbatch"], n=10)[-1] * 1e3}
+
+
 def main(runs: int) -> dict[str, dict[str, float]]:
     # Byte-compile first, as a pip install does: with PYTHONDONTWRITEBYTECODE set, an edited
     # source tree would otherwise be compiled again on every run and measured as start-up.
@@ -59,27 +102,18 @@ def main(runs: int) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         env["SLURMGPU_SUBMISSION_SPOOL"] = tmp  # records are written, as in production
+        env["XDG_CACHE_HOME"] = os.path.join(tmp, "cache")
         try:
             for n, (case, (config, text)) in enumerate({**CASES, **model_cases()}.items()):
                 env["SLURMGPU_CONFIG"] = str(config)
                 script = Path(tmp) / f"case{n}.sh"
                 script.write_text(text)
-                times: dict[str, list[float]] = {"python": [], "sbatch": [], "gsbatch": []}
-                order = ["python", "sbatch", "gsbatch"]
-                for i in range(runs + 2):
-                    for tool in order[i % 3:] + order[:i % 3]:  # rotate so no tool always runs first
-                        argv = [sys.executable, "-c", "pass"] if tool == "python" else \
-                            [tool, "--hold", "--parsable", str(script)]
-                        dt, out = timed(argv, tmp, env)
-                        if tool != "python":
-                            ids.append(out.strip())
-                        if i >= 2:  # two warm-up rounds
-                            times[tool].append(dt)
-                py, sb, gs = (statistics.median(times[t]) for t in order)
-                results[case] = {"runs": runs, "python_median_ms": py * 1e3, "sbatch_median_ms": sb * 1e3,
-                                 "gsbatch_median_ms": gs * 1e3, "added_median_ms": (gs - sb) * 1e3,
-                                 "added_over_python": (gs - sb) / py,
-                                 "gsbatch_p90_ms": statistics.quantiles(times["gsbatch"], n=10)[-1] * 1e3}
+                env["SLURMGPU_SOCKET"] = os.path.join(tmp, "no-daemon.sock")
+                results[f"{case}, in-process"] = measure(runs, script, tmp, env, ids)
+                with daemon(config, tmp) as sock:
+                    env["SLURMGPU_SOCKET"] = sock
+                    results[f"{case}, daemon"] = measure(runs, script, tmp, env, ids)
+                shutil.rmtree(os.path.join(tmp, "run"))
         finally:
             for chunk in range(0, len(ids), 200):
                 subprocess.run(["scancel", *[i for i in ids[chunk:chunk + 200] if re.fullmatch(r"\d+", i)]],

@@ -175,3 +175,13 @@ def test_missing_corrupt_or_stale_model_keeps_the_request(trained, config, tmp_p
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "unusable" in err and "request kept as written" in err, name
     assert isinstance(site_decider(config, None, {"SLURMGPU_MODEL": str(good)}), ModelDecider)
+
+
+@pytest.mark.parametrize("algorithm", ["sha1", "sha256"])
+def test_hexdigest_from_builtin_modules_equals_hashlib(algorithm: str) -> None:
+    import hashlib
+
+    from slurmgpu.pipeline.features import hexdigest
+
+    for data in (b"", b"#!/bin/bash\nsrun python train.py\n", bytes(range(256)) * 300):
+        assert hexdigest(algorithm, data) == hashlib.new(algorithm, data).hexdigest()

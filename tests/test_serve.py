@@ -440,3 +440,61 @@ def test_gsbatch_takes_the_daemon_fast_path_and_falls_back_without_it(sock: str,
     open(sock, "w").close()
     fallback = site.site_decider(loaded, Recorder(), env).decide(request)
     assert fallback.decider == "model" and fallback.per_type
+
+
+def _plans(tmp_path: Path, sock: str, script_text: str, extra: list[str]) -> tuple[list[dict], list[dict]]:
+    """gsbatch on the same job twice, through the daemon's plan and in its own process:
+    what sbatch was given and what was recorded, each time."""
+    from test_gsbatch import Recorder
+
+    from slurmgpu.apps import gsbatch
+
+    script = tmp_path / "job.sh"
+    script.write_text(script_text)
+    out = []
+    for spool, socket_path in (("via-daemon", sock), ("in-process", str(tmp_path / "no.sock"))):
+        (tmp_path / spool).mkdir()
+        env = {"SLURMGPU_CONFIG": str(SAMPLE), "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path / spool),
+               "SLURMGPU_SOCKET": socket_path, "XDG_CACHE_HOME": str(tmp_path / "cache"), "SBATCH_TIMELIMIT": "5"}
+        backend = Recorder()
+        code = gsbatch.main([*extra, str(script)], env=env, backend=backend)
+        records = [json.loads(p.read_text()) for p in (tmp_path / spool).iterdir()]
+        for r in records:
+            del r["record_id"], r["submitted_at"]
+        calls = [{**c, "env": {k: v for k, v in c["env"].items() if k not in env},  # the private copy's
+                  "words": [os.path.basename(w) if "/gsbatch-" in w else w for w in c["words"]]}  # dir is random
+                 for c in backend.calls]
+        out.append({"code": code, "calls": calls, "records": records})
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("script_text, extra", [
+    ("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\nsrun train.py\n", []),  # rewritten
+    ("#!/bin/bash\n#SBATCH -p gpu --gres=gpu:a100:2\nsrun train.py\n", ["--parsable"]),  # kept
+    ("#!/bin/bash\n#SBATCH --gres=gpu:a100:1\nsrun train.py\n", ["-p", "gpu-small"]),  # rewritten on the CLI
+])
+def test_gsbatch_fast_path_plan_from_the_daemon_equals_the_in_process_plan(rules: Config, sock: str,
+                                                                          tmp_path: Path, script_text: str,
+                                                                          extra: list[str]) -> None:
+    service = serve.Service(load_config(SAMPLE))
+    with daemon(sock, service):
+        via_daemon, in_process = _plans(tmp_path, sock, script_text, extra)
+    assert service.count == 1  # the daemon made the first plan; the second was made in-process
+    assert via_daemon == in_process
+    assert via_daemon["code"] == 0 and len(via_daemon["records"]) == 1
+
+
+def test_the_daemon_plan_reports_bad_input_as_gsbatch_does_and_never_another_config(
+        rules: Config, sock: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    service = serve.Service(load_config(SAMPLE))
+    with daemon(sock, service):
+        via_daemon, in_process = _plans(tmp_path, sock, "#!/bin/bash\n#SBATCH --gres=gpu:a100:two\n", [])
+        assert service.count == 1
+        other = tmp_path / "other.toml"
+        other.write_text(SAMPLE.read_text())
+        [reply] = exchange(sock, json.dumps({"op": "plan", "config": str(other), "script": "#!/bin/sh\n",
+                                             "options": [], "env": {}}).encode() + b"\n")
+    assert via_daemon == in_process and via_daemon["code"] == 1 and via_daemon["calls"] == []
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gsbatch: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1] and "gres" in errors[0]
+    assert reply is not None and reply["ok"] is False and "this daemon serves" in reply["error"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +13,8 @@ MAX_REQUEST_BYTES = 2 << 20  # the hook sends at most 256 KiB of script, escaped
 
 def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
     """Send one request on a fresh connection; the reply, or None on any failure or timeout."""
+    import socket  # here, not above: gsbatch imports this module for DEFAULT_SOCKET on every submission
+
     deadline = time.monotonic() + timeout_s
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

@@ -11,17 +11,18 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
-from slurmgpu.apps.site import DECIDED_MARKER, load_site, site_decider
-from slurmgpu.pipeline.config import Config
+from slurmgpu.apps.site import DECIDED_MARKER, load_site
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider
-from slurmgpu.pipeline.request import JobRequest, build_request
-from slurmgpu.pipeline.rewrite import Submission, apply, describe
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
-from slurmgpu.pipeline.script import parse_script, read_script
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
+
+if TYPE_CHECKING:  # decided in this process, these load on demand; the daemon's plan needs none
+    from slurmgpu.pipeline.config import Config
+    from slurmgpu.pipeline.plan import Plan
+    from slurmgpu.pipeline.policy import Decider, Decision
+    from slurmgpu.pipeline.request import JobRequest
 
 OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
 PASS_THROUGH = {"help", "usage", "version"}
@@ -89,6 +90,8 @@ def _note(stream: TextIO, kind: str, text: str) -> None:
 
 
 def explain_text(request: JobRequest, decision: Decision) -> str:
+    from slurmgpu.pipeline.rewrite import describe
+
     lines = [f"decider: {decision.decider}"]
     for comp in request.components:
         lines.append(f"request{f' (component {comp.index})' if request.is_hetjob else ''}: {describe(comp)}")
@@ -108,17 +111,11 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
     return "\n".join("gsbatch: explain: " + line for line in lines)
 
 
-class Plan(NamedTuple):
-    """What to submit, and what to tell the user about it."""
-
-    request: JobRequest | None
-    decision: Decision
-    submission: Submission
-    stdin: bytes | None = None
-
-
 def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None) -> Plan:
-    """Parse, decide and rewrite; raises InputError for bad user input."""
+    """Parse, decide and rewrite in this process; raises InputError for bad user input."""
+    from slurmgpu.pipeline.plan import make_plan
+    from slurmgpu.pipeline.script import parse_script, read_script
+
     script = None
     stdin_data = None
     if not inv.wrap:
@@ -129,26 +126,57 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
             stdin_data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
             script = parse_script(stdin_data, "<stdin>")
     features = getattr(getattr(decider, "config", None), "gpu_features", lambda: set())()
-    request = build_request(script, inv.options, env, features)
-    if "--no-rewrite" in inv.flags or (script is not None and script.keep_marker):
-        why = "--no-rewrite given" if "--no-rewrite" in inv.flags else "the script says '#SLURMGPU keep'"
-        decision = KeepDecider(f"{why}; request kept").decide(request)
-    else:
-        decision = decider.decide(request)
-    return Plan(request, decision, apply(request, decision), stdin_data)
+    made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags)
+    return made._replace(stdin=stdin_data)
 
 
-def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, str]) -> Submitted:
+class DaemonPlanError(Exception):
+    """The daemon read the job and found the user's input bad: reported as in-process."""
+
+
+def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
+                timeout_s: float = 0.5) -> dict[str, Any] | None:
+    """The plan made by ``slurmgpu serve`` (the fast path: templates and model are loaded there),
+    or None when there is no daemon, it serves another config, or it does not answer in time."""
+    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, call
+
+    socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
+    if inv.flags or (inv.script is None and not inv.wrap) or not os.path.exists(socket_path):
+        return None  # dry runs, explanations and stdin scripts are planned here
+    data = None
+    if inv.script is not None:
+        try:
+            with open(inv.script, "rb") as fh:
+                data = fh.read()
+        except OSError:
+            return None  # the in-process path words the error as sbatch does
+    reply = call(socket_path, {
+        "op": "plan", "config": os.path.realpath(config.path), "script_name": inv.script, "options": list(inv.options),
+        "script": data.decode("utf-8", "surrogateescape") if data is not None else None,
+        "env": {k: v for k, v in env.items() if k.startswith("SBATCH_")},
+        "user": env.get("USER") or env.get("LOGNAME")}, timeout_s)
+    if not reply:
+        return None
+    if reply.get("ok") and isinstance(reply.get("plan"), dict):
+        return dict(reply["plan"], stdin=None)
+    if isinstance(reply.get("input_error"), str):
+        raise DaemonPlanError(reply["input_error"])
+    return None
+
+
+def submit(inv: Invocation, p: Mapping[str, Any], backend: SlurmBackend, env: Mapping[str, str]) -> Submitted:
     """Hand the plan to sbatch; a rewritten script goes through a private temporary file
     with the same name, so the job's default name and output file names do not change."""
-    sub = p.submission
+    sub = p["submission"]
     # Tells the site's job_submit.lua hook that this job was already decided.
-    child_env = {**env, **sub.env_overrides, DECIDED_MARKER: "1"}
-    if not sub.changed:
-        return backend.submit(inv.sbatch_words(), child_env, p.stdin)
-    data = sub.script_text.encode("utf-8", "surrogateescape") if sub.script_text is not None else None
+    child_env = {**env, **sub["env_overrides"], DECIDED_MARKER: "1"}
+    if not sub["changed"]:
+        return backend.submit(inv.sbatch_words(), child_env, p["stdin"])
+    text = sub["script_text"]
+    data = text.encode("utf-8", "surrogateescape") if text is not None else None
     if inv.script is None:
-        return backend.submit(inv.sbatch_words(sub.cli_words), child_env, data if p.stdin is not None else None)
+        return backend.submit(inv.sbatch_words(sub["cli_words"]), child_env,
+                              data if p["stdin"] is not None else None)
     import shutil
     import tempfile
 
@@ -158,16 +186,14 @@ def submit(inv: Invocation, p: Plan, backend: SlurmBackend, env: Mapping[str, st
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data or b"")
-        return backend.submit(inv.sbatch_words(sub.cli_words, path), child_env)
+        return backend.submit(inv.sbatch_words(sub["cli_words"], path), child_env)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Plan, result: Submitted) -> None:
+def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Mapping[str, Any],
+           result: Submitted) -> None:
     """Leave a submission record in the spool for the ingest; never fails the submission."""
-    import hashlib
-
-    from slurmgpu.pipeline.features import script_features
     from slurmgpu.pipeline.spool import (
         PERSONAL_SPOOL,
         ensure_personal_spool,
@@ -178,20 +204,43 @@ def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Pl
 
     site = config.site if config else None
     directory = submission_spool(site.submission_spool if site else None, env)
+    fields = p["record"]
     try:
         if directory.startswith(os.path.expanduser(PERSONAL_SPOOL)):
             ensure_personal_spool(directory)
-        script = p.request.script if p.request else None
         write_record(directory, new_record(
             cluster=site.cluster if site else None, job_id=result.job_id, sbatch_exit=result.code,
-            script_sha256=hashlib.sha256(script.data).hexdigest() if script else None,
-            features={"script": script_features(script.text) if script else None,
+            script_sha256=fields["script_sha256"],
+            features={"script": fields["script_features"],
                       "script_name": os.path.basename(inv.script) if inv.script else None,
                       "sbatch_options": list(inv.options), "wrap": inv.wrap},
-            original_request=p.request.to_json() if p.request else None,
-            decision=p.decision.to_json(), changed=p.submission.changed))
+            original_request=fields["original_request"], decision=fields["decision"], changed=fields["changed"]))
     except (OSError, TypeError, ValueError) as exc:
         _note(sys.stderr, "warning", f"submission record not written to {directory}: {exc}")
+
+
+def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, backend: SlurmBackend,
+            decider: Decider | None) -> dict[str, Any]:
+    """The plan in JSON form: from the daemon when it answers, else made here (and explained,
+    when asked). Raises InputError for bad user input."""
+    if decider is None and config is not None:
+        try:
+            answered = daemon_plan(inv, env, config)
+        except DaemonPlanError as exc:
+            raise InputError(str(exc)) from None
+        if answered is not None:
+            return answered
+    if decider is None:
+        from slurmgpu.apps.site import site_decider
+
+        decider = site_decider(config, backend, env)
+    p = plan(inv, env, decider)
+    if "--explain" in inv.flags and p.request is not None:
+        print(explain_text(p.request, p.decision), file=sys.stderr)
+    made = p.to_json()
+    made["stdin"] = p.stdin
+    made["original_text"] = p.request.script.text if p.request and p.request.script else ""
+    return made
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
@@ -208,12 +257,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     config = None
     try:
         config = load_site(inv.config, env)
-        decider = decider or site_decider(config, backend, env)
     except InputError as exc:
+        from slurmgpu.pipeline.policy import KeepDecider
+
         _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")
         decider = KeepDecider("config unusable")
     try:
-        p = plan(inv, env, decider)
+        p = _decide(inv, env, config, backend, decider)
     except InputError as exc:
         _note(sys.stderr, "error", str(exc))
         return 1
@@ -223,21 +273,18 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             return 1
         _note(sys.stderr, "warning", f"slurmgpu failed ({type(exc).__name__}: {exc}); submitting as written")
         return backend.submit(inv.sbatch_words(), env).code
-    if "--explain" in inv.flags and p.request is not None:
-        print(explain_text(p.request, p.decision), file=sys.stderr)
-    if p.decision.refusal:
-        _note(sys.stderr, "error", f"{inv.script or 'job'}: {p.decision.refusal}")
+    decision, sub = p["decision"], p["submission"]
+    if decision["refused"]:
+        _note(sys.stderr, "error", f"{inv.script or 'job'}: {decision['refused']}")
         return 1
-    sub = p.submission
-    if sub.changed:
-        comp_notes = "; ".join(p.decision.reasons)
-        _note(sys.stderr, "note", f"GPU request changed: {comp_notes}")
-        if list(sub.cli_words) != list(inv.options) or sub.env_overrides:
-            extra = " ".join(sub.cli_words) + "".join(f" {k}={v}" for k, v in sub.env_overrides.items())
+    if sub["changed"]:
+        _note(sys.stderr, "note", f"GPU request changed: {'; '.join(decision['reasons'])}")
+        if list(sub["cli_words"]) != list(inv.options) or sub["env_overrides"]:
+            extra = " ".join(sub["cli_words"]) + "".join(f" {k}={v}" for k, v in sub["env_overrides"].items())
             _note(sys.stderr, "note", f"sbatch options now: {extra.strip()}")
     if "--dry-run" in inv.flags or "--diff" in inv.flags:
-        original = p.request.script.text if p.request and p.request.script else ""
-        new = sub.script_text if sub.script_text is not None else original
+        original = p["original_text"]
+        new = sub["script_text"] if sub["script_text"] is not None else original
         out = sys.stdout.buffer
         if "--diff" in inv.flags:
             import difflib
@@ -257,6 +304,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 def entry() -> None:
     try:
-        sys.exit(main())
+        code = main()
     except KeyboardInterrupt:
-        sys.exit(130)
+        code = 130
+    # Everything gsbatch wrote is flushed and its files are closed: skip the interpreter's
+    # teardown of every loaded module, a few milliseconds of each submission.
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        code = code or 1
+    os._exit(code)

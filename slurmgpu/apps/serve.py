@@ -14,6 +14,11 @@ the connection closed. Requests:
     "uptime_s": S, "model": {"path", "loaded", "sha256", "mtime", "jobs", "window", "error"}}``
 ``{"op": "decide", "job": JOB}``
     ``{"ok": true, "decision": {...Decision.to_json()..., "request": TEXT, "apply": {FIELD: VALUE}}}``
+``{"op": "plan", "config": PATH, "script": TEXT|null, "script_name": NAME, "options": [WORD...],
+"env": {SBATCH_*: VALUE}, "user": NAME}``
+    gsbatch's fast path: ``{"ok": true, "plan": {...Plan.to_json()...}}``, the same plan gsbatch makes in
+    its own process (``slurmgpu.pipeline.plan``), rewritten script included; ``{"ok": false,
+    "input_error": TEXT}`` when the script or options are bad. Only for the config this daemon serves.
 
 Anything else, or a job that cannot be read, gets ``{"ok": false, "error": TEXT}``.
 
@@ -61,6 +66,7 @@ try:  # a long-running daemon can afford numpy: it evaluates all candidate types
     import numpy  # noqa: F401
 except ImportError:  # pragma: no cover - numpy ships with the training extra
     pass
+from slurmgpu.pipeline.plan import Plan, make_plan
 from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider, make_decider
 from slurmgpu.pipeline.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
@@ -290,8 +296,10 @@ class Service:
             op = message.get("op") if isinstance(message, dict) else None
             if op == "health":
                 return self.health()
+            if op == "plan":
+                return self.plan_reply(message, t0)
             if op != "decide":
-                raise InputError(f"unknown op {op!r} (expected 'decide' or 'health')")
+                raise InputError(f"unknown op {op!r} (expected 'decide', 'plan' or 'health')")
             if not isinstance(message.get("job"), dict):
                 raise InputError("'job' must be an object")
             job = message["job"]
@@ -306,6 +314,38 @@ class Service:
                   " ".join(f"{k}={v}" for k, v in decision["apply"].items()) or "kept")
         self._log(job, t0, request=decision["request"], result=result, decider=decision["decider"])
         return {"ok": True, "decision": decision}
+
+    def plan(self, message: Mapping[str, Any]) -> Plan:
+        """The plan gsbatch would make in its own process for the same script, options and
+        SBATCH_* variables (raises InputError for the user's input, ValueError for a bad request)."""
+        config = message.get("config")
+        if not isinstance(config, str) or os.path.realpath(config) != os.path.realpath(self.config.path):
+            raise ValueError(f"gsbatch reads config {config!r}; this daemon serves {self.config.path!r}")
+        text, name, options, env = (message.get(k) for k in ("script", "script_name", "options", "env"))
+        if not (text is None or isinstance(text, str)) or not (name is None or isinstance(name, str)) \
+                or not isinstance(options, list) or not all(isinstance(o, str) for o in options) \
+                or not isinstance(env, dict) or not all(isinstance(k, str) and k.startswith("SBATCH_")
+                                                        and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("plan: script and script_name must be strings or null, options a list of "
+                             "strings, env an object of SBATCH_* strings")
+        script = parse_script(text.encode("utf-8", "surrogateescape"), name or "<stdin>") if text is not None else None
+        user = message.get("user") if isinstance(message.get("user"), str) else None
+        return make_plan(script, options, env, self.decider(user), self.features)
+
+    def plan_reply(self, message: Mapping[str, Any], t0: float) -> dict[str, Any]:
+        """A plan request to its reply: the user's input errors travel back to be printed by gsbatch."""
+        who = {"user_name": message.get("user")}
+        try:
+            made = self.plan(message)
+        except InputError as exc:
+            self._log(who, t0, error=str(exc))
+            return {"ok": False, "input_error": str(exc)}
+        decision = made.decision
+        result = (f"refused: {decision.refusal}" if decision.refusal else
+                  "rewritten" if made.submission.changed else "kept")
+        self._log(who, t0, request=describe(made.request.main) if made.request else "-", result=result,
+                  decider=decision.decider)
+        return {"ok": True, "plan": made.to_json()}
 
     @staticmethod
     def _log(job: Mapping[str, Any], t0: float, **fields: str) -> None:

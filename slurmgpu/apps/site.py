@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
-from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider, make_decider
-from slurmgpu.pipeline.request import JobRequest
-from slurmgpu.slurm.backend import SlurmBackend
+
+if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
+    from slurmgpu.pipeline.policy import Decider, Decision
+    from slurmgpu.pipeline.request import JobRequest
+    from slurmgpu.slurm.backend import SlurmBackend
 
 # Tells the site's job_submit.lua hook that gsbatch already decided this job.
 DECIDED_MARKER = "SLURMGPU_DECIDED"
@@ -62,7 +64,7 @@ class DaemonDecider:
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.apps.daemon_client import ask
-        from slurmgpu.pipeline.policy import Candidate, ComponentChange
+        from slurmgpu.pipeline.policy import Candidate, ComponentChange, Decision
 
         answer = ask(self.socket_path, daemon_job(request, self.user), self.timeout_s)
         if answer is None or request.is_hetjob:
@@ -75,6 +77,8 @@ class DaemonDecider:
 def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
     """The configured decider: the daemon when its socket is there (the fast path), else the
     model in this process; a model that cannot be used leaves the request as written."""
+    from slurmgpu.pipeline.policy import make_decider
+
     if config is None or config.policy.decider != "model":
         return make_decider(config)
     from slurmgpu.apps.daemon_client import DEFAULT_SOCKET
@@ -88,6 +92,7 @@ def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str,
 
 def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str], user: str | None) -> Decider:
     from slurmgpu.pipeline.bundle import Bundle
+    from slurmgpu.pipeline.policy import KeepDecider, make_decider
 
     path = model_path(config, env)
     try:

@@ -29,7 +29,7 @@ class TraceEnded(Exception):
 
 
 class DeviceInfo(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # field name shadows tuple.index; kept for the JSON schema
     uuid: str
     name: str
     memory_total: int  # bytes

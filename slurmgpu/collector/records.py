@@ -18,7 +18,7 @@ JOB_ID = re.compile(r"\d+(?:[_+]\d+)?")  # as Slurm prints it: 123, 123_4 (array
 
 
 class GpuRecord(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # field name shadows tuple.index; kept for the JSON schema
     uuid: str
     name: str
     memory_total_mib: float
@@ -110,10 +110,12 @@ def _check(kind: Any, value: object) -> object:
 
 
 
-def _fields(cls: type[Any], obj: object, where: str) -> dict[str, object]:
+def _fields(cls: type[Any], obj: object, where: str) -> dict[str, Any]:
+    """The fields of ``cls`` read from ``obj``, each checked against its type hint (so typed Any here:
+    the values are as heterogeneous as the NamedTuple's fields, and were checked at run time)."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where or 'record'}: expected an object")
-    out = {}
+    out: dict[str, Any] = {}
     for field, kind in get_type_hints(cls).items():
         name = f"{where}.{field}" if where else field
         if field not in obj:

@@ -88,6 +88,7 @@ def _number(row: dict[str, Any], col: str, required: bool = False, high: float |
         if required:
             raise ValueError(f"{col}: missing")
         return None
+    assert value is not None  # _missing() holds for None
     try:
         number = float(value)
     except (TypeError, ValueError):

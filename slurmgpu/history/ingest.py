@@ -14,14 +14,18 @@ import pwd
 import subprocess
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Table, select
+from sqlalchemy import Insert, Table, select
 from sqlalchemy.engine import Connection, Engine
 
 from slurmgpu.history.db import GpuUsage, IngestState, Job, Submission, utcnow
 from slurmgpu.pipeline.spool import RECORD_VERSION
 from slurmgpu.slurm import sacct
+
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
+    from sqlalchemy.dialects.sqlite.dml import Insert as SqliteInsert
 
 JOBS: Table = Job.__table__  # type: ignore[assignment]
 JOB_COLUMNS = tuple(c.name for c in JOBS.columns if c.name not in ("id", "updated_at"))
@@ -51,18 +55,24 @@ def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], keys: tup
         return
     name = conn.dialect.name
     cols = [c for c in rows[0] if c not in keys]
+    stmt: Insert
     if name in ("sqlite", "postgresql"):
+        conflict: SqliteInsert | PgInsert
         if name == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert
-        stmt = insert(table)
-        stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={c: stmt.excluded[c] for c in cols})
-    elif name in ("mysql", "mariadb"):
-        from sqlalchemy.dialects.mysql import insert
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-        stmt = insert(table)
-        stmt = stmt.on_duplicate_key_update({c: stmt.inserted[c] for c in cols})
+            conflict = sqlite_insert(table)
+        else:
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            conflict = pg_insert(table)
+        stmt = conflict.on_conflict_do_update(index_elements=list(keys),
+                                              set_={c: conflict.excluded[c] for c in cols})
+    elif name in ("mysql", "mariadb"):
+        from sqlalchemy.dialects.mysql import insert as mysql_insert
+
+        duplicate = mysql_insert(table)
+        stmt = duplicate.on_duplicate_key_update({c: duplicate.inserted[c] for c in cols})
     else:
         raise RuntimeError(f"unsupported database dialect {name}")
     conn.execute(stmt, rows)
@@ -244,7 +254,7 @@ def _store_submissions(conn: Connection, rows: list[dict[str, Any]]) -> None:
         Submission.record_id.in_([r["record_id"] for r in rows]))).scalars())
     new = [r for r in rows if r["record_id"] not in known]
     if new:
-        conn.execute(Submission.__table__.insert(), new)
+        conn.execute(cast(Table, Submission.__table__).insert(), new)
 
 
 def load_submissions(engine: Engine, directory: str, report: Report | None = None) -> Report:

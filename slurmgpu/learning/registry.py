@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Engine
 
 from slurmgpu.history.db import ModelVersion
@@ -30,7 +30,7 @@ def register(engine: Engine, bundle: Bundle, active_path: str, active: bool) -> 
         if active:
             conn.execute(update(ModelVersion).where(ModelVersion.name == NAME).values(active=False))
         start, end = bundle.data.get("window", [None, None])
-        conn.execute(ModelVersion.__table__.insert(), [{
+        conn.execute(cast(Table, ModelVersion.__table__).insert(), [{
             "name": NAME, "version": version, "path": path, "features": bundle.data["features"],
             "metrics": bundle.data.get("metrics", {}), "active": active,
             "train_start": datetime.fromisoformat(start) if start else None,

@@ -78,7 +78,8 @@ class _Running:
                             {k: {"n": v["n"], "overask": v["ask"] / max(v["use"], 1e-9)} for k, v in self.usr.items()})
 
     @staticmethod
-    def _family_view(s: Mapping[str, float]) -> dict[str, float]:
+    def _family_view(s: Mapping[str, float]) -> dict[str, Any]:
+        # Numbers, but for "shapes": the "<count>x<type>" shapes the family ran on (a list of str).
         n, m = s["n"], s["m"]
         view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
@@ -92,7 +93,7 @@ class _Running:
                 view.update(a=a, b=b)
         return view
 
-    def family_now(self, key: str) -> dict[str, float]:
+    def family_now(self, key: str) -> dict[str, Any]:
         s = self.fam.get(key)
         return self._family_view(s) if s else {}
 

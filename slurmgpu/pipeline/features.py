@@ -8,7 +8,6 @@ run of the same training with another learning rate or batch size lands in the s
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import shlex
@@ -60,6 +59,24 @@ NUMERIC = ("req_gpus", "req_gpu_mem_gib", "gpus", "gpu_mem_gib", "gpu_speed", "p
            "user_n", "user_overask")
 
 
+
+_BUILTIN_HASHES = {"sha1": ("_sha1",), "sha256": ("_sha2", "_sha256")}  # 3.12+ has _sha2, 3.11 _sha256
+
+
+def hexdigest(algorithm: str, data: bytes) -> str:
+    """sha1 or sha256 of DATA from the interpreter's built-in module where it has one: loading
+    hashlib's OpenSSL binding costs a submission more than the hashing itself."""
+    for name in _BUILTIN_HASHES[algorithm]:
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        return str(getattr(module, algorithm)(data).hexdigest())
+    import hashlib
+
+    return hashlib.new(algorithm, data).hexdigest()
+
+
 def command_lines(script: str) -> list[str]:
     """The script's command lines (not comments, not directives), continuation lines joined."""
     text = script.replace("\\\n", " ")
@@ -99,7 +116,7 @@ def family_key(command: str) -> str:
     """Same command with other numbers, paths or quoting: the same family."""
     words = [w.rsplit("/", 1)[-1] for w in _words(command)]
     norm = " ".join(_NUMBER.sub("N", w) for w in words if not w.startswith("$"))
-    return hashlib.sha1(norm.encode()).hexdigest()[:12]
+    return hexdigest("sha1", norm.encode())[:12]
 
 
 def model_size_b(name: str | None, text: str) -> float:

@@ -11,14 +11,14 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
-from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.config import Config, GpuType
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
 
 class ComponentChange(NamedTuple):
     """New values for one component; None means 'leave as the user wrote it'."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # field name shadows tuple.index; kept for the JSON schema
     gpu_type: str | None = None
     gpus_total: int | None = None
     partition: str | None = None
@@ -194,7 +194,7 @@ class ModelDecider:
         req_type, req_total = comp.gpu_type, comp.gpus_total
         free = self.free_gpus()
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
-        options = []
+        options: list[tuple[GpuType, int, dict[str, float]]] = []
         for part in offered:
             for gtype in part.gpu_types:
                 gt = self.config.gpu_types[gtype]
@@ -216,8 +216,8 @@ class ModelDecider:
             return self._keep(rule, "model: the requested type/count is outside the configured partitions; "
                                     "request kept", per_type)
         baseline = min(asked, key=lambda c: c.expected_wait_s + c.pred_runtime_s)
-        choices = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
-        choices = [c for c in choices if c is not None and self._in_time(c, baseline, comp.time_limit_s)]
+        enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
+        choices = [c for c in enough if c is not None and self._in_time(c, baseline, comp.time_limit_s)]
         if not choices:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
                                     "request kept", per_type)

@@ -44,7 +44,7 @@ class Origin(NamedTuple):
     source: Literal["script", "env", "cli"]
     line: int | None = None  # script line
     variable: str | None = None  # environment variable
-    index: int | None = None  # first command-line word
+    index: int | None = None  # type: ignore[assignment]  # field name shadows tuple.index; kept for the JSON schema (first command-line word)
     last: int | None = None  # last command-line word (the value, when it was a word of its own)
 
     def describe(self, path: str) -> str:
@@ -65,7 +65,7 @@ class GpuAsk(NamedTuple):
     """One GPU request as written: count of one type (or any type) per job/node/task/socket."""
 
     type: str | None
-    count: int
+    count: int  # type: ignore[assignment]  # field name shadows tuple.count; kept for the JSON schema
     per: Per
     option: str  # the option that spelled it
     origin: Origin
@@ -75,7 +75,7 @@ class GpuAsk(NamedTuple):
 class ComponentRequest(NamedTuple):
     """The request of one (possibly heterogeneous) job component."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # field name shadows tuple.index; kept for the JSON schema
     options: Mapping[str, OptionValue]
     gpus: tuple[GpuAsk, ...] = ()
     constraint_gpu_types: tuple[str, ...] = ()
@@ -357,7 +357,7 @@ def build_request(
     env_values = _env_options(env)
     features = KNOWN_GPU_FEATURES | {f.lower() for f in gpu_features}
     ncomp = script.components if script else 1
-    components = []
+    components: list[ComponentRequest] = []
     for index in range(ncomp):
         merged: dict[str, OptionValue] = {}
         if script:

@@ -160,8 +160,10 @@ def apply(req: JobRequest, decision: Decision) -> Submission:
     if req.script is not None and original is not None:
         edits.script.append((req.script.line_end(1), req.script.line_end(1),
                              _macros().provenance("; ".join(was), "; ".join(now), decision.reasons, decision.decider)))
+        script_text = original
         for start, end, new in sorted(edits.script, key=lambda e: (e[0], e[1]), reverse=True):
-            text = text[:start] + new + text[end:]
+            script_text = script_text[:start] + new + script_text[end:]
+        text = script_text
     words = list(edits.cli_prepend)
     i = 0
     while i < len(req.cli_words):

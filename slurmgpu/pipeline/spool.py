@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 RECORD_VERSION = 1
@@ -72,7 +72,7 @@ def write_record(directory: str, record: Mapping[str, Any]) -> str:
 def new_record(**fields: Any) -> dict[str, Any]:
     # os.urandom rather than uuid: importing uuid costs gsbatch ~10 ms.
     return {"version": RECORD_VERSION, "record_id": os.urandom(16).hex(),
-            "submitted_at": datetime.now(UTC).isoformat(timespec="seconds"), **fields}
+            "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), **fields}
 
 
 def ensure_personal_spool(directory: str) -> None:

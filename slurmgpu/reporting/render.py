@@ -202,7 +202,9 @@ def daily_chart(report: Report, colors: Mapping[str, str]) -> Chart:
     tick, ticks = axis_scale(max((sum(report.daily.get(d, {}).values()) for d in days), default=0.0))
     top = tick * ticks
     step = (width - left - 10) / len(days)
-    rects, texts, grid = [], [], []
+    rects: list[Rect] = []
+    texts: list[Text] = []
+    grid: list[tuple[float, float, float, float]] = []
     for k in range(ticks + 1):
         value, y = tick * k, 12 + plot_h - plot_h * k / ticks
         grid.append((left, y, width - 10, y))

@@ -126,7 +126,8 @@ def describe_change(original: Mapping[str, Any] | None, decision: Mapping[str, A
 def _decided(job: JobUse) -> tuple[str | None, int | None, str | None, int | None]:
     """(original type, original GPUs, decided type, decided GPUs) of component 0."""
     original = job.original or {}
-    change = next((c for c in (job.decision or {}).get("changes") or [] if c.get("index", 0) == 0), {})
+    change: dict[str, Any] = next(
+        (c for c in (job.decision or {}).get("changes") or [] if c.get("index", 0) == 0), {})
     o_type, o_gpus = original.get("gpu_type"), original.get("gpus_total")
     return o_type, o_gpus, change.get("gpu_type") or o_type, change.get("gpus_total") or o_gpus
 

@@ -256,7 +256,8 @@ class _Gen:
     def submit_times(self, start: datetime, days: float, count: int) -> list[datetime]:
         """Submission times with the daily and weekly cycle (thinning of a uniform stream)."""
         rng, hours, weekend = self.rng, self.a("office_hours"), self.a("weekend_rate")
-        span, out = days * 86400, []
+        span = days * 86400
+        out: list[datetime] = []
         while len(out) < count:
             t = start + timedelta(seconds=int(rng.uniform(0, span)))
             if rng.random() < hours[t.hour] * (weekend if t.weekday() >= 5 else 1.0):

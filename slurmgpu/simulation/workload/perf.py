@@ -99,7 +99,7 @@ def _shape(job: JobSpec, k: int, cat: Catalog) -> _Shape:
             return k if zero >= stage else 1
 
         static = trained * (w / split(3) + g / split(2) + o / split(1)) + frozen * width / split(3)
-        passes = 1 + (1 if p.get("lora") else 2) + (cat.value("recompute_flops") if p.get("grad_ckpt") else 0)
+        passes: float = 1 + (1 if p.get("lora") else 2) + (cat.value("recompute_flops") if p.get("grad_ckpt") else 0)
     else:
         static, passes = (trained + frozen) * width, 1.0
     if model.kind == "transformer":

@@ -1,0 +1,57 @@
+"""One submission's plan: the request as sbatch reads it, the decision, and the rewrite.
+
+gsbatch makes it in its own process, or ``slurmgpu serve`` makes it for gsbatch when the daemon
+answers (templates and model already loaded there). Both call ``make_plan`` and hand gsbatch
+the same JSON form (``Plan.to_json``), so what is submitted cannot depend on where it was made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from typing import Any, NamedTuple
+
+from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider
+from slurmgpu.pipeline.request import JobRequest, build_request
+from slurmgpu.pipeline.rewrite import Submission, apply
+from slurmgpu.pipeline.script import BatchScript
+
+
+class Plan(NamedTuple):
+    """What to submit, and what to tell the user about it."""
+
+    request: JobRequest | None
+    decision: Decision
+    submission: Submission
+    stdin: bytes | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything gsbatch needs to report, submit and record the plan."""
+        sub = self.submission
+        return {"decision": self.decision.to_json(),
+                "submission": {"script_text": sub.script_text, "cli_words": list(sub.cli_words),
+                               "env_overrides": dict(sub.env_overrides), "changed": sub.changed},
+                "record": record_fields(self)}
+
+
+def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
+              gpu_features: Set[str], no_rewrite: bool = False) -> Plan:
+    """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input."""
+    request = build_request(script, options, env, gpu_features)
+    if no_rewrite or (script is not None and script.keep_marker):
+        why = "--no-rewrite given" if no_rewrite else "the script says '#SLURMGPU keep'"
+        decision = KeepDecider(f"{why}; request kept").decide(request)
+    else:
+        decision = decider.decide(request)
+    return Plan(request, decision, apply(request, decision))
+
+
+def record_fields(plan: Plan) -> dict[str, Any]:
+    """What the submission record says of the plan: the script's hash and features (the
+    learner's input), the request as read, and the decision."""
+    from slurmgpu.pipeline.features import hexdigest, script_features
+
+    script = plan.request.script if plan.request else None
+    return {"script_sha256": hexdigest("sha256", script.data) if script else None,
+            "script_features": script_features(script.text) if script else None,
+            "original_request": plan.request.to_json() if plan.request else None,
+            "decision": plan.decision.to_json(), "changed": plan.submission.changed}

@@ -1,0 +1,3 @@
+#!/bin/bash
+#SBATCH -p gpu-small -G v100:1 -t 10
+python eval.py

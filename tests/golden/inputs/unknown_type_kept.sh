@@ -1,0 +1,3 @@
+#!/bin/bash
+#SBATCH --gres=gpu:h100:1
+python train.py

@@ -1,0 +1,349 @@
+-- job_submit.lua: asks `slurmgpu serve` which GPUs a batch job should get, from inside slurmctld.
+-- Rendered by `slurmgpu lua render`; render again rather than edit (see contrib/lua/README.md).
+--
+-- Any failure (no lua-socket, no daemon, a timeout, an unreadable answer, an error here) leaves
+-- the job exactly as submitted: this hook never rejects a job, and never holds slurmctld longer
+-- than timeout_ms per job. After a failure it passes jobs through without asking for backoff_s.
+-- Needs Debian's lua-socket (socket.unix); Lua 5.1 as linked into Slurm 22.05 and 24.11.
+
+local CONFIG = {
+    enabled = true,
+    dry_run = true,           -- log what would change, change nothing
+    socket = "/run/slurmgpu/slurmgpu.sock",
+    timeout_ms = 150,
+    backoff_s = 0,
+    marker = "SLURMGPU_DECIDED",  -- gsbatch sets <marker>=1 in the environment of jobs it decided
+    partitions = {["gpu"] = true, ["gpu-small"] = true},  -- empty: every partition
+    accounts = {["proj-a"] = true, ["proj-b"] = true},    -- empty: every account
+    users = {["ann"] = true, ["1001"] = true},       -- names or numeric uids; empty: everyone
+}
+
+local TIMEOUT_S = CONFIG.timeout_ms / 1000
+local MAX_SCRIPT = 262144  -- bytes of script sent, whole lines (the directives come first)
+local MAX_REPLY = 65536
+local TRES = { "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }
+local STRINGS = { "partition", "account", "qos", "name", "features", "user_name" }
+local NUMBERS = { "num_tasks", "min_nodes", "max_nodes", "ntasks_per_node", "cpus_per_task",
+                  "sockets_per_node", "time_limit", "user_id" }
+local IS_TRES = {}
+for _, field in ipairs(TRES) do IS_TRES[field] = true end
+
+local have_socket, socket = pcall(require, "socket")
+local have_unix, unix = pcall(require, "socket.unix")
+local down_until = 0
+
+local function clean(text)
+    return (tostring(text):gsub("%c", " "):sub(1, 400))
+end
+
+local function log_info(text) slurm.log_info("slurmgpu: %s", clean(text)) end
+local function log_error(text) slurm.log_error("slurmgpu: %s", clean(text)) end
+
+-- JSON: the request is a flat object; the answer is decoded in full, and bounded.
+
+local ESCAPE = { ['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
+
+local function quote(text)
+    return '"' .. (text:gsub('[%c"\\]', function(c)
+        return ESCAPE[c] or string.format("\\u%04x", c:byte())
+    end)) .. '"'
+end
+
+local function encode_job(job_desc)
+    local script = job_desc.script
+    if #script > MAX_SCRIPT then
+        script = script:sub(1, MAX_SCRIPT):match("^(.*\n)") or ""
+    end
+    local fields = { '"script":' .. quote(script) }
+    for _, list in ipairs({ TRES, STRINGS }) do
+        for _, key in ipairs(list) do
+            local value = job_desc[key]
+            if type(value) == "string" then fields[#fields + 1] = quote(key) .. ":" .. quote(value) end
+        end
+    end
+    for _, key in ipairs(NUMBERS) do
+        local value = job_desc[key]
+        if type(value) == "number" and value >= 0 and value < 4294967296 then
+            fields[#fields + 1] = quote(key) .. ":" .. string.format("%d", value)
+        end
+    end
+    return '{"op":"decide","job":{' .. table.concat(fields, ",") .. "}}\n"
+end
+
+local UNESCAPE = { b = "\b", f = "\f", n = "\n", r = "\r", t = "\t", ['"'] = '"', ["\\"] = "\\", ["/"] = "/" }
+local LITERALS = { ["true"] = true, ["false"] = false }
+
+local function skip(s, i)
+    return s:find("[^ \t\r\n]", i) or #s + 1
+end
+
+local function utf8_char(code)
+    if code < 0x80 then return string.char(code) end
+    if code < 0x800 then return string.char(0xC0 + math.floor(code / 0x40), 0x80 + code % 0x40) end
+    return string.char(0xE0 + math.floor(code / 0x1000), 0x80 + math.floor(code / 0x40) % 0x40, 0x80 + code % 0x40)
+end
+
+local function decode_string(s, i)
+    local out, j = {}, i + 1
+    while true do
+        local k = s:find('["\\]', j)
+        if not k then error("unterminated string") end
+        out[#out + 1] = s:sub(j, k - 1)
+        if s:sub(k, k) == '"' then return table.concat(out), k + 1 end
+        local e = s:sub(k + 1, k + 1)
+        if e == "u" then
+            local hex = s:match("^%x%x%x%x", k + 2)
+            if not hex then error("bad \\u escape") end
+            out[#out + 1] = utf8_char(tonumber(hex, 16))
+            j = k + 6
+        elseif UNESCAPE[e] then
+            out[#out + 1] = UNESCAPE[e]
+            j = k + 2
+        else
+            error("bad escape")
+        end
+    end
+end
+
+local function decode_value(s, i, depth)
+    if depth > 32 then error("nested too deeply") end
+    i = skip(s, i)
+    local c = s:sub(i, i)
+    if c == "{" or c == "[" then
+        local result, n, close = {}, 0, (c == "{") and "}" or "]"
+        i = skip(s, i + 1)
+        if s:sub(i, i) == close then return result, i + 1 end
+        while true do
+            local key
+            if c == "{" then
+                if s:sub(i, i) ~= '"' then error("expected a key") end
+                key, i = decode_string(s, i)
+                i = skip(s, i)
+                if s:sub(i, i) ~= ":" then error("expected ':'") end
+                i = i + 1
+            else
+                n = n + 1
+                key = n
+            end
+            result[key], i = decode_value(s, i, depth + 1)
+            i = skip(s, i)
+            local sep = s:sub(i, i)
+            if sep == close then return result, i + 1 end
+            if sep ~= "," then error("expected ',' or '" .. close .. "'") end
+            i = i + 1
+        end
+    elseif c == '"' then
+        return decode_string(s, i)
+    end
+    local word = s:match("^%a+", i)
+    if word == "null" then return nil, i + 4 end
+    if LITERALS[word] ~= nil then return LITERALS[word], i + #word end
+    local number = s:match("^-?%d+%.?%d*[eE]?[-+]?%d*", i)
+    if number and tonumber(number) then return tonumber(number), i + #number end
+    error("unexpected character at " .. i)
+end
+
+local function decode(s)
+    local value, i = decode_value(s, 1, 0)
+    if skip(s, i) <= #s then error("trailing characters") end
+    return value
+end
+
+-- Transport: one request per connection, every step bounded by the same deadline.
+
+local function exchange(request)
+    local deadline = socket.gettime() + TIMEOUT_S
+    local conn, err = unix()
+    if not conn then return nil, "socket: " .. tostring(err) end
+    conn:settimeout(TIMEOUT_S, "t")
+    local ok
+    ok, err = conn:connect(CONFIG.socket)
+    if ok then
+        conn:settimeout(math.max(deadline - socket.gettime(), 0), "t")
+        ok, err = conn:send(request)
+    end
+    if not ok then
+        conn:close()
+        return nil, "cannot reach " .. CONFIG.socket .. ": " .. tostring(err)
+    end
+    conn:settimeout(0)
+    local chunks, size = {}, 0
+    while true do
+        local left = deadline - socket.gettime()
+        if left <= 0 then break end
+        local readable = socket.select({ conn }, nil, left)
+        if readable[1] then
+            local data, status, partial = conn:receive(8192)
+            local piece = data or partial or ""
+            chunks[#chunks + 1] = piece
+            size = size + #piece
+            local newline = piece:find("\n", 1, true)
+            if newline then
+                conn:close()
+                chunks[#chunks] = piece:sub(1, newline - 1)
+                return table.concat(chunks)
+            end
+            if size > MAX_REPLY or status == "closed" then
+                conn:close()
+                return nil, size > MAX_REPLY and "answer too long" or "connection closed before a full answer"
+            end
+        end
+    end
+    conn:close()
+    return nil, string.format("no answer from %s within %d ms", CONFIG.socket, CONFIG.timeout_ms)
+end
+
+-- What the answer changes: every value checked before anything is set.
+
+local function gpu_prefix(item)
+    local prefix = item:match("^(.-)gpu[:=]") or item:match("^(.-)gpu$")
+    if prefix == "" or prefix == "gres:" or prefix == "gres/" then return prefix end
+    return nil
+end
+
+local function has_gpu(job_desc)
+    for _, field in ipairs(TRES) do
+        for item in (job_desc[field] or ""):gmatch("[^,]+") do
+            if gpu_prefix(item) then return true end
+        end
+    end
+    return false
+end
+
+-- The GPU entries of a tres string replaced by one, spelt as the string spells them
+-- (gres: or gres/ prefix, ':' or '=' before the count); its other entries are kept.
+local function replace_gpu(current, value)
+    local out, done = {}, false
+    for item in current:gmatch("[^,]+") do
+        local prefix = gpu_prefix(item)
+        if not prefix then
+            out[#out + 1] = item
+        elseif not done then
+            local entry = value
+            if item:find("=%d+$") then entry = entry:gsub(":(%d+)$", "=%1") end
+            out[#out + 1] = prefix .. entry
+            done = true
+        end
+    end
+    return done and table.concat(out, ",") or nil
+end
+
+local function changes_for(job_desc, apply)
+    if type(apply) ~= "table" then return nil, "no 'apply' object" end
+    local changes = {}
+    for field, value in pairs(apply) do
+        local new
+        if type(value) ~= "string" then
+            return nil, "non-string value for " .. tostring(field)
+        elseif field == "partition" and value:match("^[%w_.%-]+$") then
+            new = value
+        elseif IS_TRES[field] and (value:match("^gpu:%d+$") or value:match("^gpu:[%w_.%-]+:%d+$")) then
+            new = job_desc[field] and replace_gpu(job_desc[field], value)
+            if not new then return nil, tostring(field) .. " holds no GPU entry" end
+        else
+            return nil, "unexpected " .. tostring(field) .. "=" .. value
+        end
+        if new ~= job_desc[field] then changes[#changes + 1] = { field = field, old = job_desc[field], new = new } end
+    end
+    return changes
+end
+
+-- Which jobs: batch jobs asking for GPUs, not decided by gsbatch, in the covered scope.
+
+local function default_partition(part_list)
+    for name, part in pairs(part_list or {}) do
+        if part.flag_default == 1 then return name end
+    end
+    return nil
+end
+
+local function in_scope(job_desc, part_list)
+    if next(CONFIG.partitions) then
+        local names = job_desc.partition or default_partition(part_list)
+        if not names then return false end
+        for name in names:gmatch("[^,]+") do
+            if not CONFIG.partitions[name] then return false end
+        end
+    end
+    if next(CONFIG.accounts) and not CONFIG.accounts[job_desc.account or job_desc.default_account or ""] then
+        return false
+    end
+    if next(CONFIG.users) then
+        local uid = job_desc.user_id and string.format("%d", job_desc.user_id) or ""
+        if not (CONFIG.users[job_desc.user_name or ""] or CONFIG.users[uid]) then return false end
+    end
+    return true
+end
+
+local function wanted(job_desc, part_list)
+    if not CONFIG.enabled or job_desc.script == nil or not has_gpu(job_desc) then return false end
+    local env = job_desc.environment
+    if env and env[CONFIG.marker] == "1" then return false end
+    return in_scope(job_desc, part_list)
+end
+
+-- The decision in the daemon's answer; else nil, why, and whether the daemon itself failed.
+local function consult(job_desc)
+    local line, err = exchange(encode_job(job_desc))
+    if not line then return nil, err, true end
+    local ok, reply = pcall(decode, line)
+    if not ok or type(reply) ~= "table" then return nil, "unreadable answer (" .. tostring(reply) .. ")", true end
+    if reply.ok ~= true then return nil, "slurmgpu says " .. tostring(reply.error), false end
+    if type(reply.decision) ~= "table" then return nil, "answer without a decision", true end
+    return reply.decision
+end
+
+local function decide(job_desc, part_list)
+    if not (have_socket and have_unix) or not wanted(job_desc, part_list) or socket.gettime() < down_until then
+        return
+    end
+    local who = string.format("job %s of %s", tostring(job_desc.name or "?"), tostring(job_desc.user_name or job_desc.user_id))
+    local decision, err, broken = consult(job_desc)
+    local changes
+    if decision then
+        changes, err = changes_for(job_desc, decision.apply)
+        broken = not changes
+    end
+    if not changes then
+        if not broken then
+            log_info(string.format("%s left as submitted: %s", who, err))
+            return
+        end
+        down_until = socket.gettime() + CONFIG.backoff_s
+        log_error(string.format("%s; %s left as submitted%s", err, who,
+            CONFIG.backoff_s > 0 and string.format(", jobs pass unasked for %d s", CONFIG.backoff_s) or ""))
+        return
+    end
+    local reasons = type(decision.reasons) == "table" and decision.reasons or {}
+    local why = tostring(decision.refused or reasons[#reasons] or "")
+    if #changes == 0 then
+        log_info(string.format("%s kept as submitted: %s", who, why))
+        return
+    end
+    local text = {}
+    for _, c in ipairs(changes) do
+        text[#text + 1] = string.format("%s %s -> %s", c.field, tostring(c.old or "(default)"), c.new)
+    end
+    if CONFIG.dry_run then
+        log_info(string.format("dry run: %s would change: %s (%s)", who, table.concat(text, ", "), why))
+        return
+    end
+    for _, c in ipairs(changes) do job_desc[c.field] = c.new end
+    log_info(string.format("%s changed: %s (%s)", who, table.concat(text, ", "), why))
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+    local ok, err = pcall(decide, job_desc, part_list)
+    if not ok then log_error("hook error, job left as submitted: " .. tostring(err)) end
+    return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+    return slurm.SUCCESS
+end
+
+if not (have_socket and have_unix) then
+    log_error("lua-socket (socket.unix) not available, GPU jobs pass unchanged: "
+        .. tostring(have_socket and unix or socket))
+end
+return slurm.SUCCESS
