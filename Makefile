@@ -40,8 +40,11 @@ evaluate: install
 replay: install cluster-up
 	$(PY) -m slurmgpu.simulation.replay
 
+# Style, import layers (contracts in pyproject.toml) and types.
 lint: install
 	$(VENV)/bin/ruff check slurmgpu tests benchmarks
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 cluster-up:
 	$(CLUSTER) up

@@ -125,7 +125,7 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
             stream = stdin if stdin is not None else sys.stdin
             stdin_data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
             script = parse_script(stdin_data, "<stdin>")
-    features = getattr(getattr(decider, "config", None), "gpu_features", lambda: set())()
+    features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
     made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags)
     return made._replace(stdin=stdin_data)
 

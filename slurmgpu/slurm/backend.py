@@ -202,7 +202,7 @@ def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
     if choice == "cli" or shutil.which("sinfo") is None:
         return cli
     try:
-        import pyslurm  # type: ignore[import-not-found]
+        import pyslurm
     except ImportError:
         return cli
     try:
