@@ -34,8 +34,9 @@ INVOCATIONS: dict[str, tuple[list[str], dict[str, str]]] = {
     "inputs/export_directive_and_cli.sh": (["--export=ALL,LR=0.001", "-J", "lr-sweep"], {}),
 }
 LUA_FIXED = ["--socket", "/run/slurmgpu/slurmgpu.sock", "--timeout-ms", "200", "--backoff-s", "10"]
-LUA = {"job_submit.lua": [],
-       "job_submit.dry-run.lua": ["--dry-run", "--partitions", "gpu,gpu-small", "--accounts", "proj-a,proj-b",
+# The default render's golden is the shipped sample, contrib/lua/job_submit.lua (test_serve.py
+# compares it byte for byte); here a render with every switch set.
+LUA = {"job_submit.dry-run.lua": ["--dry-run", "--partitions", "gpu,gpu-small", "--accounts", "proj-a,proj-b",
                                   "--users", "ann,1001", "--timeout-ms", "150", "--backoff-s", "0"]}
 
 
