@@ -106,12 +106,26 @@ def test_diff_and_explain(job: Path, sample_config: Path, capsys) -> None:
     assert "gsbatch: explain: decider: rules" in cap.err and "moved to gpu" in cap.err
 
 
-@pytest.mark.parametrize("optout", [["--no-rewrite"], []])
-def test_opt_outs(job: Path, sample_config: Path, optout: list[str]) -> None:
-    if not optout:
-        job.write_bytes(job.read_bytes().replace(b"#!/bin/bash\n", b"#!/bin/bash\n#SLURMGPU keep\n"))
+@pytest.mark.parametrize("optout, line", [(["--no-rewrite"], b""), ([], b"#GSBATCH --no-rewrite\n"),
+                                          ([], b"#GSBATCH   --no-rewrite  # measured on purpose\n"),
+                                          ([], b"#SLURMGPU keep\n")])
+def test_opt_outs(job: Path, sample_config: Path, optout: list[str], line: bytes, capsys) -> None:
+    job.write_bytes(job.read_bytes().replace(b"#!/bin/bash\n", b"#!/bin/bash\n" + line))
     code, be = run([*optout, str(job)], sample_config)
     assert be.calls[0]["words"] == [str(job)]
+    deprecated = "'#SLURMGPU keep' is deprecated" in capsys.readouterr().err
+    assert deprecated == line.startswith(b"#SLURMGPU")
+
+
+def test_gsbatch_directives_are_read_like_sbatch_directives(tmp_path: Path) -> None:
+    """Only before the first command; unknown ones never refuse the script (sbatch ignores them)."""
+    from slurmgpu.pipeline.script import parse_script
+
+    late = parse_script(b"#!/bin/bash\n#SBATCH -t 1\nsrun x\n#GSBATCH --no-rewrite\n")
+    assert not late.keep_marker and late.ignored[0].line == 4 and "after the first command" in late.ignored[0].reason
+    odd = parse_script(b"#!/bin/bash\n#GSBATCH --frobnicate 'unclosed\n#GSBATCH --gpu-memory=9\nsrun x\n")
+    assert not odd.keep_marker and [i.line for i in odd.ignored] == [2, 3]
+    assert "unreadable" in odd.ignored[0].reason and "unknown gsbatch option --gpu-memory=9" in odd.ignored[1].reason
 
 
 def test_refusal_before_submission(tmp_path: Path, sample_config: Path, capsys) -> None:

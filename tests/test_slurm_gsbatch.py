@@ -144,3 +144,23 @@ def test_config_check_against_live_cluster(sample_config: Path, tmp_path: Path) 
     assert res.returncode == 1
     assert "mismatch: partition gpu-small: GPU type h100 is configured but no node offers it" in res.stdout
     assert "mismatch: partition big is configured but does not exist in the cluster" in res.stdout
+
+
+# Every in-script gsbatch directive README documents; plain sbatch must accept each script.
+GSBATCH_FORMS = ["#GSBATCH --no-rewrite", "#GSBATCH   --no-rewrite   # measured on purpose",
+                 "#SBATCH -t 1\n#GSBATCH --no-rewrite\n#SBATCH -J pinned"]
+
+
+@pytest.mark.parametrize("lines", GSBATCH_FORMS)
+def test_plain_sbatch_accepts_every_documented_gsbatch_directive(tmp_path: Path, submitted: list[str],
+                                                                lines: str) -> None:
+    res = subprocess.run(["sbatch", "--hold", "--parsable", str(script(tmp_path, "opt.sh", lines))],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    submitted.append(res.stdout.strip())
+
+
+def test_plain_sbatch_refuses_the_legacy_keep_line_which_is_why_it_is_deprecated(tmp_path: Path) -> None:
+    res = subprocess.run(["sbatch", "--hold", "--parsable", str(script(tmp_path, "old.sh", "#SLURMGPU keep"))],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode != 0 and "Change from #SLURM to #SBATCH" in res.stderr

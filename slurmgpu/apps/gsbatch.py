@@ -31,7 +31,7 @@ gsbatch options (everything else is sbatch's):
       --dry-run          print the script that would be submitted; submit nothing
       --diff             print a unified diff of the rewrite; submit nothing
       --explain          show the decision and its reasons on stderr
-      --no-rewrite       submit exactly as written (as does a '#SLURMGPU keep' line)
+      --no-rewrite       submit exactly as written (as does a '#GSBATCH --no-rewrite' line)
       --gs-config=PATH   slurmgpu config file (default: $SLURMGPU_CONFIG, /etc/slurmgpu/slurmgpu.toml)
 """
 
@@ -274,6 +274,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         _note(sys.stderr, "warning", f"slurmgpu failed ({type(exc).__name__}: {exc}); submitting as written")
         return backend.submit(inv.sbatch_words(), env).code
     decision, sub = p["decision"], p["submission"]
+    for text in p["notes"]:
+        _note(sys.stderr, "note", text)
     if decision["refused"]:
         _note(sys.stderr, "error", f"{inv.script or 'job'}: {decision['refused']}")
         return 1

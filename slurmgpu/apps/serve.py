@@ -32,7 +32,7 @@ ignored. Strings: ``script`` (the batch script text), ``tres_per_node``, ``tres_
 The fields become sbatch command-line words over the script's directives, so ``build_request``
 applies sbatch's own precedence; the script's GPU directives are left out because the tres
 fields already hold the job's whole GPU request. A heterogeneous job, or a script with a
-``#SLURMGPU keep`` line, is answered "kept".
+``#GSBATCH --no-rewrite`` (or older ``#SLURMGPU keep``) line, is answered "kept".
 
 ``apply`` holds only what changes, ready for the job descriptor: a ``tres_per_*`` field maps to
 its new GPU entry without the ``gres:``/``gres/`` prefix (``gpu:v100:2``; the hook keeps the
@@ -262,7 +262,7 @@ class Service:
             decision = KeepDecider("heterogeneous job: its components reach the hook one by one; "
                                    "request kept").decide(request)
         elif script is not None and script.keep_marker:
-            decision = KeepDecider("the script says '#SLURMGPU keep'; request kept").decide(request)
+            decision = KeepDecider(script.keep_reason).decide(request)
         else:
             user = job.get("user_name") if isinstance(job.get("user_name"), str) else None
             decision = self.decider(user).decide(request)

@@ -30,7 +30,7 @@ class Plan(NamedTuple):
         return {"decision": self.decision.to_json(),
                 "submission": {"script_text": sub.script_text, "cli_words": list(sub.cli_words),
                                "env_overrides": dict(sub.env_overrides), "changed": sub.changed},
-                "record": record_fields(self)}
+                "record": record_fields(self), "notes": notes(self)}
 
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
@@ -38,11 +38,21 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
     """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input."""
     request = build_request(script, options, env, gpu_features)
     if no_rewrite or (script is not None and script.keep_marker):
-        why = "--no-rewrite given" if no_rewrite else "the script says '#SLURMGPU keep'"
-        decision = KeepDecider(f"{why}; request kept").decide(request)
+        why = "--no-rewrite given; request kept" if no_rewrite or script is None else script.keep_reason
+        decision = KeepDecider(why).decide(request)
     else:
         decision = decider.decide(request)
     return Plan(request, decision, apply(request, decision))
+
+
+LEGACY_KEEP_NOTE = ("'#SLURMGPU keep' is deprecated: plain sbatch refuses a script with it (\"Change from #SLURM "
+                    "to #SBATCH\"); write '#GSBATCH --no-rewrite' instead, which sbatch ignores")
+
+
+def notes(plan: Plan) -> list[str]:
+    """What the user should hear about the script itself, one line each."""
+    script = plan.request.script if plan.request else None
+    return [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
 
 
 def record_fields(plan: Plan) -> dict[str, Any]:

@@ -17,7 +17,12 @@ from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 
 MAGIC = "#SBATCH"
-KEEP_MARKER = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
+# gsbatch's own in-script options: sbatch ignores these lines, so a script that carries them still
+# goes through plain sbatch. Read like #SBATCH lines: at a line's start, before the first command.
+GS_MAGIC = "#GSBATCH"
+GS_OPTIONS = ("--no-rewrite",)
+# The first opt-out spelling; sbatch 22.05 refuses a script with it ("Change from #SLURM to #SBATCH").
+LEGACY_KEEP = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
 _LOOKS_LIKE_DIRECTIVE = re.compile(r"^[ \t]*#+[ \t]*sbatch", re.IGNORECASE)
 _HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)  # as a line's first word
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace(), not Unicode's
@@ -74,7 +79,19 @@ class BatchScript(NamedTuple):
     components: int
     first_command_line: int | None
     line_starts: tuple[int, ...]
-    keep_marker: bool = False
+    gsbatch_options: tuple[str, ...] = ()  # from #GSBATCH lines
+    legacy_keep: bool = False  # a '#SLURMGPU keep' line
+
+    @property
+    def keep_marker(self) -> bool:
+        """The script opts out of rewriting."""
+        return "--no-rewrite" in self.gsbatch_options or self.legacy_keep
+
+    @property
+    def keep_reason(self) -> str:
+        """Why the request stands, in the script's own spelling."""
+        spelled = "#GSBATCH --no-rewrite" if "--no-rewrite" in self.gsbatch_options else "#SLURMGPU keep"
+        return f"the script says '{spelled}'; request kept"
 
     @property
     def data(self) -> bytes:
@@ -177,6 +194,7 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
         starts.pop()
     directives: list[Directive] = []
     ignored: list[IgnoredDirective] = []
+    gs_options: list[str] = []
     component = 0
     first_command: int | None = None
     for idx, begin in enumerate(starts):
@@ -197,6 +215,9 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
                 continue
             directives.extend(_directives_of_line(words, lineno, component, path))
             continue
+        if line.startswith(GS_MAGIC):
+            gs_options.extend(_gsbatch_options(text, begin, end, path, lineno, first_command, ignored))
+            continue
         stripped = line.lstrip(" \t\v\f\r")
         if stripped and not stripped.startswith("#"):
             if first_command is None:
@@ -216,8 +237,29 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
         components=component + 1,
         first_command_line=first_command,
         line_starts=tuple(starts),
-        keep_marker=bool(KEEP_MARKER.search(text)),
+        gsbatch_options=tuple(dict.fromkeys(gs_options)),
+        legacy_keep=bool(LEGACY_KEEP.search(text)),
     )
+
+
+def _gsbatch_options(text: str, begin: int, end: int, path: str, lineno: int, first_command: int | None,
+                     ignored: list[IgnoredDirective]) -> list[str]:
+    """The gsbatch options of one #GSBATCH line. sbatch ignores the line, so nothing on it can
+    make gsbatch refuse the script: what it does not know is listed as ignored instead."""
+    line = text[begin:end]
+    if first_command is not None:
+        ignored.append(IgnoredDirective(lineno, line, f"after the first command (line {first_command})"))
+        return []
+    try:
+        words = [w.text for w in tokenize(text, begin + len(GS_MAGIC), end, path, lineno)]
+    except InputError as exc:
+        ignored.append(IgnoredDirective(lineno, line, f"unreadable gsbatch directive: {exc.message}"))
+        return []
+    unknown = [w for w in words if w not in GS_OPTIONS]
+    if unknown:
+        ignored.append(IgnoredDirective(lineno, line, f"unknown gsbatch option {unknown[0]} "
+                                                      f"(known: {', '.join(GS_OPTIONS)})"))
+    return [w for w in words if w in GS_OPTIONS]
 
 
 def _directives_of_line(words: list[Word], lineno: int, component: int, path: str) -> list[Directive]:
