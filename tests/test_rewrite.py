@@ -73,6 +73,10 @@ def test_rewrite_changes_only_gpu_and_partition_directives(data: bytes, gtype, t
     # Options other than GPU/partition: the same, in the same order.
     assert [d for d in directives(new) if d[0] not in GPU_OR_PARTITION] == \
            [d for d in directives(data) if d[0] not in GPU_OR_PARTITION]
+    # No GPU option kind the user did not write: a rewrite never creates a combination the running
+    # Slurm might refuse (from 26.05, --gres with --gpus-per-node) that the request as written did not have.
+    gpu_kinds = {d[0] for d in directives(data) if d[0] in GPU_OPTIONS}
+    assert {d[0] for d in directives(new) if d[0] in GPU_OPTIONS} <= gpu_kinds
     # The decided values took effect.
     if gtype is not None:
         assert after.gpu_type == gtype
