@@ -85,3 +85,25 @@ def test_bad_toml_is_reported_with_the_cache_too(tmp_path: Path) -> None:
     path.write_text(BASE + "oops = \n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(path, str(tmp_path / "cache"))
+
+
+def test_config_init_writes_what_slurm_says_and_flags_what_it_does_not(tmp_path: Path) -> None:
+    import tomllib
+
+    from slurmgpu.apps.config_init import config_text
+    from slurmgpu.pipeline.config import parse_config
+
+    nodes = [NodeInfo("g1", ("gpu", "all"), {"a100_80gb": 8}), NodeInfo("g2", ("gpu", "all"), {"a100_80gb": 4}),
+             NodeInfo("s1", ("small", "all"), {"t4": 2, "v100": 1}), NodeInfo("c1", ("cpu", "all"), {}),
+             NodeInfo("u1", ("all",), {"": 2})]
+    text = config_text(nodes, "gpu", "hpc")
+    cfg = parse_config(tomllib.loads(text), "init.toml")
+    assert cfg.site.cluster == "hpc" and cfg.default_partition == "gpu"
+    assert {p.name: (p.gpu_types, p.gpus_per_node, p.nodes) for p in cfg.partitions.values()} == {
+        "gpu": (("a100_80gb",), 8, 2), "small": (("t4", "v100"), 2, 1), "all": (("a100_80gb", "t4", "v100"), 8, 4)}
+    assert cfg.gpu_types["a100_80gb"].memory_gib == 80 and cfg.gpu_types["t4"].memory_gib == 16
+    assert "# partition cpu: no typed GPUs" in text and "Nodes u1 offer GPUs without a type" in text
+    assert "smallest variant (V100-16) is assumed" in text  # v100 alone does not say 16 or 32 GB
+    unknown = config_text([NodeInfo("x1", ("gpu",), {"xpu9": 4})], None)
+    with pytest.raises(ConfigError, match=r"gpu_types\.xpu9\.memory_gib.*must be > 0"):
+        parse_config(tomllib.loads(unknown), "init.toml")  # no guessed memory: the admin must fill it in

@@ -164,3 +164,13 @@ def test_plain_sbatch_refuses_the_legacy_keep_line_which_is_why_it_is_deprecated
     res = subprocess.run(["sbatch", "--hold", "--parsable", str(script(tmp_path, "old.sh", "#SLURMGPU keep"))],
                          capture_output=True, text=True, check=False)
     assert res.returncode != 0 and "Change from #SLURM to #SBATCH" in res.stderr
+
+
+def test_config_init_from_the_live_cluster_then_check_matches(tmp_path: Path, sample_config: Path) -> None:
+    out = tmp_path / "init.toml"
+    res = run(["slurmgpu", "config", "init", "--out", str(out)], tmp_path, sample_config)
+    assert res.returncode == 0, res.stderr
+    res = run(["slurmgpu", "--config", str(out), "config", "check"], tmp_path, out)
+    assert res.returncode == 0 and "matches the live cluster" in res.stdout, res.stdout + res.stderr
+    again = run(["slurmgpu", "config", "init", "--out", str(out)], tmp_path, sample_config)
+    assert again.returncode == 1 and "--force" in again.stderr

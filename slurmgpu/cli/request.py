@@ -73,3 +73,32 @@ def config_check(ctx: click.Context, offline: bool) -> None:
     if problems:
         sys.exit(1)
     click.echo("matches the live cluster")
+
+
+@config_group.command("init")
+@click.option("--out", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="File to write (- for standard output).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+def config_init(out: str, force: bool) -> None:
+    """Write a starting config from the live cluster: GPU types and counts per node, partitions,
+    the default partition; memory, speed and cost from known GPU datasheets, marked for review."""
+    from slurmgpu.apps.config_init import config_text
+
+    if out != "-" and os.path.exists(out) and not force:
+        fail(InputError("exists; pass --force to replace it", file=out))
+    try:
+        backend = select_backend()
+        text = config_text(backend.nodes(), backend.default_partition(), backend.cluster_name())
+    except SlurmError as exc:
+        fail(exc)
+    if out == "-":
+        click.echo(text, nl=False)
+        return
+    from slurmgpu.pipeline.spool import atomic_write
+
+    try:
+        atomic_write(out, text.encode(), 0o644)
+    except OSError as exc:
+        fail(InputError(f"cannot write: {exc.strerror}", file=out))
+    click.echo(f"wrote {out}: review the lines marked 'review', then run `slurmgpu --config {out} config check`",
+               err=True)

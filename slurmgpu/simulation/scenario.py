@@ -37,7 +37,6 @@ in gres.conf, memory from the catalog, and relative speed and cost derived from 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
@@ -65,19 +64,18 @@ from slurmgpu.simulation.simulator import (
 from slurmgpu.simulation.workload import (
     LARGE_CLUSTER,
     ClusterSpec,
-    GpuSpec,
     JobSpec,
     fits,
     generate,
     load_catalog,
     run_model,
 )
+from slurmgpu.simulation.workload.catalog import relative_cost, relative_speed
 from slurmgpu.simulation.workload.perf import peak_mem_mib, runtime_s, used_gpus
 from slurmgpu.simulation.workload.schedule import Outcome
 from slurmgpu.simulation.workload.schedule import simulate as history_runs
 
 RULE_SAFETY = 1.2
-REFERENCE_GPU = "A100-80"  # relative speed and cost 1
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")  # as train.history_rows keeps them
 
 
@@ -128,21 +126,6 @@ class Evaluation(NamedTuple):
 
 
 # ---- the decider's view of the cluster --------------------------------------------------------
-
-def relative_speed(spec: GpuSpec) -> float:
-    """Geometric mean of sustained 16-bit tensor peak and memory bandwidth, relative to the
-    reference card: training steps are bound by one or the other (the workload model's roofline)."""
-    ref = load_catalog().gpu_types[REFERENCE_GPU]
-    return math.sqrt(spec.fp16_tflops * spec.sustained / (ref.fp16_tflops * ref.sustained)
-                     * spec.mem_bw_gbs / ref.mem_bw_gbs)
-
-
-def relative_cost(spec: GpuSpec) -> float:
-    """Half speed, half memory relative to the reference card: sites weigh a card's GPU-hour
-    (TRESBillingWeights) by what it computes and what it holds; this gives the sample config's
-    ratios (a100 : v100 : t4 about 1 : 0.4 : 0.2)."""
-    ref = load_catalog().gpu_types[REFERENCE_GPU]
-    return 0.5 * relative_speed(spec) + 0.5 * spec.memory_gib / ref.memory_gib
 
 
 def scenario_config(cluster: ClusterSpec) -> Config:
@@ -370,6 +353,5 @@ def evaluate(scenario: Scenario, progress: Callable[[str], None] = lambda s: Non
     unfittable = sum(not fits_somewhere(j, cluster) for j in tested)
     return Evaluation(scenario, len(jobs), len(train), tested, decider, unfittable, config, policies,
                       time.perf_counter() - began)
-
 
 

@@ -38,6 +38,10 @@ class SlurmBackend(Protocol):
 
     def free_gpus(self) -> dict[str, int]: ...
 
+    def default_partition(self) -> str | None: ...
+
+    def cluster_name(self) -> str | None: ...
+
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted: ...
 
 
@@ -101,6 +105,18 @@ class CliBackend:
             for gtype, count in parse_gres(gres).items():
                 free[gtype] = free.get(gtype, 0) + count - busy.get(gtype, 0)
         return free
+
+    def default_partition(self) -> str | None:
+        """The partition sinfo marks with ``*``, if any."""
+        for line in self._run([self.sinfo, "-h", "-o", "%P"]).split():
+            if line.endswith("*"):
+                return line[:-1]
+        return None
+
+    def cluster_name(self) -> str | None:
+        """ClusterName from slurm.conf, as the running slurmctld has it."""
+        m = re.search(r"^ClusterName\s*=\s*(\S+)", self._run(["scontrol", "show", "config"]), re.MULTILINE)
+        return m.group(1) if m else None
 
     def nodes(self) -> list[NodeInfo]:
         out = self._run([self.sinfo, "-h", "-N", "-o", "%N|%P|%G|%T"])

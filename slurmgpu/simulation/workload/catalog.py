@@ -6,6 +6,7 @@ The numbers live in a data file rather than in code so that each one sits next t
 
 from __future__ import annotations
 
+import math
 import tomllib
 from functools import lru_cache
 from importlib.resources import files
@@ -157,3 +158,22 @@ def parse_catalog(data: dict[str, Any]) -> Catalog:
 def load_catalog() -> Catalog:
     """The packaged catalog (read once per process)."""
     return parse_catalog(tomllib.loads(files("slurmgpu.simulation.workload").joinpath("data.toml").read_text("utf-8")))
+
+
+REFERENCE_GPU = "A100-80"  # relative speed and cost 1
+
+
+def relative_speed(spec: GpuSpec) -> float:
+    """Geometric mean of sustained 16-bit tensor peak and memory bandwidth, relative to the
+    reference card: training steps are bound by one or the other (the workload model's roofline)."""
+    ref = load_catalog().gpu_types[REFERENCE_GPU]
+    return math.sqrt(spec.fp16_tflops * spec.sustained / (ref.fp16_tflops * ref.sustained)
+                     * spec.mem_bw_gbs / ref.mem_bw_gbs)
+
+
+def relative_cost(spec: GpuSpec) -> float:
+    """Half speed, half memory relative to the reference card: sites weigh a card's GPU-hour
+    (TRESBillingWeights) by what it computes and what it holds; this gives the sample config's
+    ratios (a100 : v100 : t4 about 1 : 0.4 : 0.2)."""
+    ref = load_catalog().gpu_types[REFERENCE_GPU]
+    return 0.5 * relative_speed(spec) + 0.5 * spec.memory_gib / ref.memory_gib

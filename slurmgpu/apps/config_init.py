@@ -1,0 +1,83 @@
+"""`slurmgpu config init`: a starting config written from the live cluster.
+
+What Slurm knows is written as fact: GPU types, per-node counts, which partitions hold which
+nodes, the default partition. What Slurm does not know (a card's memory, speed and cost) comes
+from the workload model's table of GPU datasheets (``simulation/workload/data.toml``, each with
+its source), and every such line says ``review``. A type the table does not know gets
+``memory_gib = 0``, which the config check refuses until an admin fills it in: a guessed memory
+size would let the decider place jobs where they do not fit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from slurmgpu.simulation.workload.catalog import GpuSpec, load_catalog, relative_cost, relative_speed
+from slurmgpu.slurm.backend import NodeInfo
+
+
+def known_gpu(gres_type: str) -> tuple[GpuSpec | None, str]:
+    """The datasheet entry for a gres.conf Type= name, and how sure the match is.
+
+    ``a100_80gb`` is A100-80; a bare ``a100`` could be either size, so the smaller is taken
+    (believing a card smaller than it is never places a job where it does not fit) and flagged.
+    """
+    tokens = re.findall(r"[a-z0-9]+", gres_type.lower())
+    first = tokens[0] if tokens else ""
+    matches = []
+    for spec in load_catalog().gpu_types.values():
+        base, _, size = spec.name.partition("-")
+        b = re.sub(r"[^a-z0-9]", "", base.lower())
+        if first == b or (first.startswith(b) and not first[len(b)].isdigit()):  # v100s is a V100, a100 no A10
+            matches.append((spec, size))
+    if not matches:
+        return None, f"no datasheet for GPU type {gres_type!r}: set memory_gib, relative_speed and cost"
+    sized = [spec for spec, size in matches if size and any(re.fullmatch(rf"{size}g?b?", t) for t in tokens[1:])]
+    if sized:
+        return sized[0], f"from the {sized[0].name} datasheet"
+    spec = min((m[0] for m in matches), key=lambda s: s.memory_gib)
+    if len(matches) > 1:
+        return spec, (f"{gres_type!r} does not say its memory size: the smallest variant ({spec.name}) "
+                      "is assumed; check memory_gib")
+    return spec, f"from the {spec.name} datasheet"
+
+
+def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluster: str | None = None) -> str:
+    """The TOML of a starting config describing NODES (as the Slurm backend reports them)."""
+    types = sorted({t for n in nodes for t in n.gpus if t})
+    untyped = sorted(n.name for n in nodes if n.gpus.get(""))
+    parts: dict[str, list[NodeInfo]] = {}
+    for n in nodes:
+        for p in n.partitions:
+            parts.setdefault(p, []).append(n)
+    out = ["# Written by `slurmgpu config init` from the live cluster. Lines marked 'review' are not",
+           "# Slurm's: check them against your hardware, then run `slurmgpu config check`.", "",
+           "[site]", f'cluster = "{cluster}"' if cluster else '# cluster = "..."  # ClusterName in slurm.conf', "",
+           "[policy]", 'decider = "rules"', ""]
+    if untyped:
+        out += [f"# Nodes {', '.join(untyped)} offer GPUs without a type: give them Type= in gres.conf so",
+                "# slurmgpu can tell them apart.", ""]
+    for t in types:
+        spec, why = known_gpu(t)
+        out.append(f"[gpu_types.{t}]")
+        if spec is None:
+            out += [f"memory_gib = 0  # review: {why}", "relative_speed = 1.0  # review", "cost = 1.0  # review"]
+        else:
+            out += [f"memory_gib = {spec.memory_gib:g}  # review: {why}",
+                    f"relative_speed = {relative_speed(spec):.3f}  # review: vs A100-80, tensor peak and bandwidth",
+                    f"cost = {relative_cost(spec):.3f}  # review: half speed, half memory vs A100-80"]
+        out += [f'features = ["{t}"]', ""]
+    for name in sorted(parts):
+        members = parts[name]
+        offered = sorted({t for n in members for t in n.gpus if t})
+        if not offered:
+            out += [f"# partition {name}: no typed GPUs on its {len(members)} node(s)", ""]
+            continue
+        per_node = max(n.gpus.get(t, 0) for n in members for t in offered)
+        out += [f"[partitions.{name}]", "gpu_types = [" + ", ".join(f'"{t}"' for t in offered) + "]",
+                f"gpus_per_node = {per_node}", f"nodes = {sum(1 for n in members if any(n.gpus.values()))}"]
+        if name == default_partition:
+            out.append("default = true")
+        out.append("")
+    return "\n".join(out)
