@@ -66,7 +66,7 @@ def test_cluster_check(config: Config) -> None:
     small = [NodeInfo("n1", ("gpu",), {"a100": 2, "h100": 1})]
     check = doctor.check_cluster(config, lambda: small, compare_with_cluster)
     assert check.status == FAIL and check.detail.startswith("partition gpu: GPU type v100 is configured")
-    assert "(and 2 more)" in check.detail
+    assert "(and 3 more)" in check.detail  # also: 2 a100 per node where the config says 4
 
 
 def test_database_check(tmp_path: Path) -> None:

@@ -211,28 +211,43 @@ def to_json(checks: Sequence[Check]) -> str:
 
 
 def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
-    """Differences an admin must fix: configured partitions/types the cluster does not have,
-    per-node counts larger than any node offers, and GPU types the config does not know."""
+    """Differences an admin must fix, one line each with the fix: configured partitions, GPU
+    types, GPUs per node and node counts the cluster does not have, and GPU types it has that
+    the config does not know. Empty only when all of these agree.
+
+    Not yet compared: GPU types a partition's nodes hold beyond those the config lists for it
+    (the config may keep a type out of a partition on purpose; on a one-node test cluster every
+    partition holds every type)."""
     problems: list[str] = []
     live_parts: dict[str, dict[str, int]] = {}
+    gpu_nodes: dict[str, int] = {}
     for n in nodes:
         for part in n.partitions:
             offered = live_parts.setdefault(part, {})
+            gpu_nodes[part] = gpu_nodes.get(part, 0) + (1 if any(n.gpus.values()) else 0)
             for gtype, count in n.gpus.items():
                 offered[gtype] = max(offered.get(gtype, 0), count)
     for p in config.partitions.values():
         live = live_parts.get(p.name)
         if live is None:
-            problems.append(f"partition {p.name} is configured but does not exist in the cluster")
+            problems.append(f"partition {p.name} is configured but does not exist in the cluster: "
+                            f"remove [partitions.{p.name}] or fix its name")
             continue
+        held = {t: live[t] for t in p.gpu_types if t in live}
         for gtype in p.gpu_types:
             if gtype not in live:
-                problems.append(f"partition {p.name}: GPU type {gtype} is configured but no node offers it")
-            elif live[gtype] < p.gpus_per_node and len(p.gpu_types) == 1:
-                problems.append(f"partition {p.name}: gpus_per_node = {p.gpus_per_node} but nodes have "
-                                f"{live[gtype]} {gtype}")
+                problems.append(f"partition {p.name}: GPU type {gtype} is configured but no node offers it: "
+                                f"remove it from [partitions.{p.name}].gpu_types")
+        if held and max(held.values()) != p.gpus_per_node:
+            counts = ", ".join(f"{c} {t}" for t, c in sorted(held.items()))
+            problems.append(f"partition {p.name}: gpus_per_node = {p.gpus_per_node} but its nodes hold at most "
+                            f"{counts} per node: set gpus_per_node = {max(held.values())}")
+        if gpu_nodes.get(p.name, 0) != p.nodes:
+            problems.append(f"partition {p.name}: nodes = {p.nodes} but it has {gpu_nodes.get(p.name, 0)} GPU "
+                            f"node(s): set nodes = {gpu_nodes.get(p.name, 0)}")
     for part, offered in live_parts.items():
         for gtype in offered:
             if gtype and gtype not in config.gpu_types:
-                problems.append(f"partition {part}: the cluster offers GPU type {gtype}, unknown to the config")
+                problems.append(f"partition {part}: the cluster offers GPU type {gtype}, unknown to the config: "
+                                f"add [gpu_types.{gtype}]")
     return problems
