@@ -37,7 +37,7 @@ def test_parse_json_fields(tmp_path: Path) -> None:
     (b"\x7fELF\x02\x01\x00\x00binary", "NULL character"),
     (b"#!/bin/bash\n#SBATCH --gres=gpu:a100:two\n", ":2: --gres: malformed count 'two'"),
     (b"#!/bin/bash\n#SBATCH --gpus=-4\n", ":2: --gpus: negative GPU count '-4'"),
-    (b"#!/bin/bash\n#SBATCH --gres=gpu:1\n#SBATCH --gpus-per-node=1\n", ":3: --gpus-per-node:"),
+    (b"#!/bin/bash\n#SBATCH --gres=gpu:a100:1\n#SBATCH --gpus=1\n", ":3: --gpus: Invalid GRES specification"),
     (b"#!/bin/bash\r\n", "DOS line breaks"),
 ])
 @pytest.mark.parametrize("command", [("slurmgpu", "parse"), ("gsbatch", "--dry-run")])

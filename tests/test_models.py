@@ -132,6 +132,18 @@ def decide(bundle, config, text: str, free=None):
     return ModelDecider(config, bundle, lambda: free or {"a100": 4, "v100": 4, "t4": 4}, "ann").decide(request)
 
 
+def test_per_task_request_is_only_offered_counts_it_can_say(trained, config) -> None:
+    """2 tasks: 2 or 4 GPUs are --gpus-per-task=1 or 2; 1 or 3 would be no per-task value at all."""
+    from slurmgpu.pipeline.rewrite import apply
+
+    text = script_for("resnet", 16, 1000, "a100").replace("--gres=gpu:a100:1", "--ntasks=2 --gpus-per-task=a100:2")
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
+    d = ModelDecider(config, trained[0], lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann").decide(request)
+    assert d.per_type and {c.gpus for c in d.per_type} == {2, 4}
+    if d.changed:
+        assert "--gpus-per-task=" in (apply(request, d).script_text or "")
+
+
 def test_decider_moves_small_job_off_the_biggest_card_when_it_is_busy(trained, config) -> None:
     bundle = trained[0]
     d = decide(bundle, config, script_for("resnet", 16, 1000, "a100"), free={"a100": 0, "v100": 4, "t4": 4})

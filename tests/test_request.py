@@ -49,11 +49,55 @@ def test_hetjob_sums_components_and_cli_applies_to_each() -> None:
     assert [c.time_limit_s for c in r.components] == [300, 300]
 
 
+# Each row was submitted held with plain sbatch 22.05 on the local cluster; the expected total and
+# per-type counts are the job's TRES in `scontrol show job` (gres/gpu=N, gres/gpu:TYPE=N).
+@pytest.mark.parametrize(("body", "total", "by_type", "gtype"), [
+    ("#SBATCH -G 4 --gpus-per-node=4\n", 4, {"": 4}, None),  # counts Slurm combines are not summed
+    ("#SBATCH --gres=gpu:1 --gpus-per-task=1 -n 1\n", 1, {"": 1}, None),
+    ("#SBATCH --gpus-per-task=2 --gpus-per-node=2 -n 1\n", 2, {"": 2}, None),
+    ("#SBATCH -G 256 --gpus-per-node=4 -N 64\n", 256, {"": 256}, None),
+    ("#SBATCH --gres=gpu:a100:2 -n 2 --gpus-per-task=t4:1\n", 4, {"a100": 2, "t4": 2}, None),  # per type
+    ("#SBATCH --gres=gpu:a100:1 --gpus=v100:1\n", 2, {"a100": 1, "v100": 1}, None),
+    ("#SBATCH --gres=gpu --gpus-per-node=2\n", 2, {"": 2}, None),  # both per node: accepted
+    ("#SBATCH --gres=gpu:2,gpu:1\n", 2, {"": 2}, None),  # one type twice: the larger count
+    ("#SBATCH --gres=gpu:a100:0,gpu:1\n", 1, {"": 1}, None),  # a zero count is skipped
+    ("#SBATCH -G a100\n", 1, {"a100": 1}, "a100"),  # a type alone is one GPU
+    ("#SBATCH -G 4 --gres=gpu:1\n", 4, {"": 4}, None),  # one per node on 4 nodes
+    ("#SBATCH -N 2 -n 1 --gres=gpu:1\n", 1, {"": 1}, None),  # fewer tasks than nodes lowers -N
+    ("#SBATCH -N 2 --gpus-per-task=2\n", 4, {"": 4}, None),  # one task per node implied
+    ("#SBATCH --gpus-per-task=0 --gres=gpu:3\n", 3, {"": 3}, None),
+])
+def test_slurm_combination_rules(body: str, total: int, by_type: dict[str, int], gtype: str | None) -> None:
+    r = req(body)
+    assert (r.gpus_total, r.to_json()["gpus_by_type"], r.gpu_type) == (total, by_type, gtype)
+
+
+def test_gpus_per_socket_from_the_environment() -> None:
+    r = req("#SBATCH --sockets-per-node=1\n", env={"SBATCH_GPUS_PER_SOCKET": "t4:1"})
+    assert (r.gpus_total, r.gpu_type) == (1, "t4")
+
+
+@pytest.mark.parametrize(("body", "blocked"), [
+    ("#SBATCH --gres=gpu:2\n", False),
+    ("#SBATCH --gres=gpu:1 --gpus-per-task=1 -n 1\n", True),
+    ("#SBATCH --gres=gpu:a100:1,gpu:v100:1\n", True),
+    ("#SBATCH --gres=gpu:2,gpu:1\n", True),
+])
+def test_rewrite_blocker(body: str, blocked: bool) -> None:
+    assert (req(body).main.rewrite_blocker is not None) is blocked
+
+
 @pytest.mark.parametrize(("body", "fragment", "line"), [
     ("#SBATCH --gres=gpu:a100:x\n", "--gres: malformed count 'x'", 2),
     ("#SBATCH -N 1\n#SBATCH --gpus=-1\n", "--gpus: negative GPU count '-1'", 3),
-    ("#SBATCH --gres=gpu:2\n#SBATCH --gpus-per-node=2\n", "--gpus-per-node", 3),
-    ("#SBATCH --gres=gpu:a100:1 --gpus=v100:1\n", "conflicting GPU types", 2),
+    ("#SBATCH --gres=gpu:a100:1\n#SBATCH --gpus=1\n", "--gpus: Invalid GRES specification (with and without type", 3),
+    ("#SBATCH --gpus-per-task=2 --gpus-per-node=2\n", "without either --gpus or -n/--ntasks", 2),
+    ("#SBATCH -N 1 -c 2\n#SBATCH --gpus-per-task=1\n", "without either --gpus or -n/--ntasks", 3),
+    ("#SBATCH -G 2 --gpus-per-node=3\n", "--gpus: Failed to ensure --gpus >= --gres=gpu/--gpus-per-node", 2),
+    ("#SBATCH -G 3 --gpus-per-node=2\n", "--gpus is not multiple of --gres=gpu/--gpus-per-node", 2),
+    ("#SBATCH --gres=gpu:1 -n 2 --gpus-per-task=2\n", "--gres: Failed to ensure --gpus >= --gpus-per-task", 2),
+    ("#SBATCH -n 3 -G 2 --gpus-per-task=1\n", "number of requested tasks differ from -n/--ntasks", 2),
+    ("#SBATCH --gpus-per-socket=1\n", "--gpus-per-socket option requires --sockets-per-node", 2),
     ("#SBATCH --mem=4G --mem-per-cpu=1G\n", "mutually exclusive", 2),
     ("#SBATCH --time=soon\n", "invalid time limit", 2),
     ("#SBATCH --nodes=0\n", "invalid node count", 2),

@@ -122,3 +122,32 @@ def test_quoting_survives_sbatch_tokenizer() -> None:
     for value in ["plain", "with space", 'q"uote', "hash#tag", "back\\slash", "it's"]:
         quoted = sbatch_quote(value)
         assert [w.text for w in tokenize(quoted, 0, len(quoted), "t", 1)] == [value]
+
+
+def _rules_decision(body: str, cli: list[str]) -> Decision:
+    from pathlib import Path
+
+    from slurmgpu.pipeline.config import load_config
+    from slurmgpu.pipeline.policy import RuleDecider
+
+    config = load_config(Path(__file__).resolve().parent.parent / "contrib" / "slurmgpu.toml")
+    request = build_request(parse_script(("#!/bin/bash\n" + body + "true\n").encode(), "job.sh"), cli, {},
+                            config.gpu_features())
+    return RuleDecider(config).decide(request)
+
+
+def test_rules_decider_leaves_what_a_rewrite_cannot_say_and_says_so() -> None:
+    """Writing the --constraint's type into one GPU entry would change what Slurm reads from the
+    others; in a heterogeneous job a command-line value is every component's."""
+    made_typed = _rules_decision("#SBATCH --gres=gpu:1 --constraint=v100\n", [])
+    assert [c.gpu_type for c in made_typed.changes] == ["v100"]
+    for body, cli, why in [
+        ("#SBATCH --gres=gpu:1 --gpus-per-task=1 -n 1 --constraint=v100\n", [], "several options"),
+        ("#SBATCH --gres=gpu:1,gpu:2 --constraint=v100\n", [], "several GPU entries"),
+        ("#SBATCH -n 1\n#SBATCH hetjob\n#SBATCH -n 1\n", ["--gpus-per-node=1", "--constraint=v100"],
+         "--gpus-per-node is set on the command line, which applies to every component"),
+    ]:
+        d = _rules_decision(body, cli)
+        assert not any(c.gpu_type for c in d.changes) and any(why in r for r in d.reasons), (body, d.reasons)
+    moved = _rules_decision("#SBATCH --gres=gpu:a100:1\n#SBATCH hetjob\n#SBATCH -n 1\n", ["-p", "gpu-small"])
+    assert not moved.changes and any("--partition is set on the command line" in r for r in moved.reasons)

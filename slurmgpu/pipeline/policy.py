@@ -8,7 +8,7 @@ and — when the request cannot be satisfied at all — why it is refused before
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType
@@ -95,7 +95,7 @@ class RuleDecider:
         changes: list[ComponentChange] = []
         reasons: list[str] = []
         for comp in request.components:
-            if not comp.gpus:
+            if not comp.gpus_total:  # no GPU option, or only zero counts (Slurm skips those)
                 continue
             change, why, refusal = self._component(comp, request.is_hetjob)
             if refusal:
@@ -124,6 +124,9 @@ class RuleDecider:
             if not offering:
                 return None, [f"{label}no configured partition offers GPU type {gtype}; request kept"], None
             target = offering[0]
+            if shared := _shared_in_hetjob(comp, ["partition"], het):
+                return None, [f"{label}GPU type {gtype} is not in partition {','.join(asked)}, but {shared}; "
+                              "request kept"], None
             reasons.append(f"{label}GPU type {gtype} is not in partition {','.join(asked)}; "
                            f"moved to {target.name}, which has it")
         check = [target] if target else [p for p in known if not gtype or gtype in p.gpu_types]
@@ -138,13 +141,30 @@ class RuleDecider:
             return None, reasons, (f"{label}asks for {comp.gpus_total} GPUs but partition {p.name} has "
                                    f"{p.gpus_per_node * p.nodes} in all")
         new_type = gtype if from_constraint else None
-        if new_type:
+        blocker = comp.rewrite_blocker or _shared_in_hetjob(comp, {g.option for g in comp.gpus}, het)
+        if new_type and blocker:
+            # Writing the type into one entry (or one shared value) would change what Slurm reads elsewhere.
+            reasons.append(f"{label}--constraint names {comp.gpu_type}, but the GPU request is left as written: "
+                           f"{blocker}")
+            new_type = None
+        elif new_type:
             reasons.append(f"{label}--constraint names {comp.gpu_type}, but an untyped GPU request may get "
                            f"any GPU type on a node with several; asked for {new_type} explicitly")
         if target or new_type:
             change = ComponentChange(comp.index, gpu_type=new_type, partition=target.name if target else None)
             return change, reasons, None
         return None, reasons, None
+
+
+def _shared_in_hetjob(comp: ComponentRequest, names: Iterable[str], het: bool) -> str | None:
+    """Why changing these options for one component of a heterogeneous job would change the others
+    too: sbatch applies a command-line or SBATCH_* value to every component."""
+    for name in sorted(names) if het else ():
+        ov = comp.options.get(name)
+        if ov is not None and ov.origin.source != "script":
+            where = "command line" if ov.origin.source == "cli" else f"environment ({ov.origin.variable})"
+            return f"--{name} is set on the {where}, which applies to every component"
+    return None
 
 
 class ModelDecider:
@@ -176,10 +196,12 @@ class ModelDecider:
         if rule.refusal:
             return rule
         comp = request.main
-        if request.is_hetjob or not comp.gpus or request.script is None:
+        if request.is_hetjob or not comp.gpus_total or request.script is None:
             return self._keep(rule, "model: heterogeneous, GPU-less or script-less job; request kept")
-        if comp.constraint_gpu_types or len({g.option for g in comp.gpus}) > 1:
+        if comp.constraint_gpu_types:
             return self._keep(rule, "model: the request pins its GPU type; request kept")
+        if comp.rewrite_blocker:
+            return self._keep(rule, f"model: {comp.rewrite_blocker}; request kept as written")
         sf = script_features(request.script.text)
         fam_n = self.bundle.history.family(sf["family"]).get("n", 0)
         policy = self.config.policy
@@ -200,6 +222,8 @@ class ModelDecider:
                 gt = self.config.gpu_types[gtype]
                 gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
                 counts = range(1, min(req_total, part.gpus_per_node) + 1) if comp.nodes == 1 else [req_total]
+                # only counts the user's unit can say: 3 GPUs over 2 tasks is no --gpus-per-task value
+                counts = [c for c in counts if c % comp.multiplier(comp.gpus[0].per) == 0]
                 options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history, self.user)) for c in counts)
         preds = self.bundle.predict_many([f for _, _, f in options], sf["family"])
         # A type or count the family never ran on is a prediction from other families: doubt it more.

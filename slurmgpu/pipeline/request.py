@@ -5,10 +5,16 @@ directives — option by option; the GPU request can be spelled five ways (``--g
 ``--gpus``, ``--gpus-per-node``, ``--gpus-per-task``, ``--gpus-per-socket``) plus node
 features in ``--constraint``. ``build_request`` folds all of that into a ``JobRequest`` and
 remembers where each effective value came from, so a rewrite can change it at its source.
+
+How many GPUs of which type that request is worth is Slurm's arithmetic, not a sum of what was
+written: ``tally_gpus`` replays Slurm 22.05's own (``gres_job_state_validate`` in
+src/common/gres.c, run by sbatch and again by slurmctld), checked case by case against the live
+scheduler by tests/test_slurm_diff.py.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -72,6 +78,17 @@ class GpuAsk(NamedTuple):
     other_gres: tuple[str, ...] = ()  # non-GPU entries sharing a --gres list, kept on rewrite
 
 
+class GpuTally(NamedTuple):
+    """What Slurm makes of one component's GPU options: the GPUs its TRES records per type, and the
+    node, task and socket counts it derives from them on the way (see ``tally_gpus``)."""
+
+    by_type: tuple[tuple[str, int], ...] = ()  # (type, or "" when untyped; count), in Slurm's order
+    per_node: int | None = 0  # GPUs on each node, where that is one number
+    nodes: int = 1  # the minimum node count Slurm settles on
+    tasks: int | None = None  # the task count, where Slurm knows one
+    sockets_per_node: int | None = None
+
+
 class ComponentRequest(NamedTuple):
     """The request of one (possibly heterogeneous) job component."""
 
@@ -95,6 +112,7 @@ class ComponentRequest(NamedTuple):
     qos: str | None = None
     array: str | None = None
     job_name: str | None = None
+    tally: GpuTally = GpuTally()
 
     @property
     def partitions(self) -> list[str]:
@@ -102,7 +120,7 @@ class ComponentRequest(NamedTuple):
 
     @property
     def gpu_types(self) -> list[str]:
-        types = [g.type for g in self.gpus if g.type]
+        types = [t for t, n in self.tally.by_type if t and n]
         if not types and len(self.constraint_gpu_types) == 1:
             types = list(self.constraint_gpu_types)
         return sorted(set(types))
@@ -112,46 +130,43 @@ class ComponentRequest(NamedTuple):
         types = self.gpu_types
         return types[0] if len(types) == 1 else None
 
-    def _tasks(self) -> int:
-        if self.ntasks is not None:
-            return self.ntasks
-        if self.ntasks_per_node is not None:
-            return self.ntasks_per_node * self.nodes
-        return self.nodes
+    @property
+    def gpus_by_type(self) -> dict[str, int]:
+        """GPUs per type as Slurm counts them in the job's TRES; untyped ones under ""."""
+        return {t: n for t, n in self.tally.by_type if n}
 
     def multiplier(self, per: Per) -> int:
-        """How many units a per-job/node/task/socket GPU count is multiplied by."""
+        """How many units Slurm multiplies a per-job/node/task/socket GPU count by."""
         if per == "job":
             return 1
         if per == "node":
-            return self.nodes
+            return self.tally.nodes
         if per == "task":
-            return self._tasks()
-        return (self.sockets_per_node or 1) * self.nodes
+            return self.tally.tasks or 1
+        return (self.tally.sockets_per_node or 1) * self.tally.nodes
 
     @property
     def gpus_total(self) -> int:
-        """GPUs for the whole component (per-node counts times the minimum node count)."""
-        return sum(g.count * self.multiplier(g.per) for g in self.gpus)
+        """GPUs for the whole component, as Slurm's TRES counts them."""
+        return sum(n for _, n in self.tally.by_type)
 
     @property
     def gpus_per_node(self) -> int | None:
         """GPUs on each node, where the request makes that a single number."""
-        if not self.gpus:
-            return 0
-        total = 0
-        for g in self.gpus:
-            if g.per == "node":
-                total += g.count
-            elif g.per == "socket":
-                total += g.count * (self.sockets_per_node or 1)
-            elif g.per == "task" and (self.ntasks_per_node is not None or self.ntasks is None):
-                total += g.count * (self.ntasks_per_node or 1)  # one task per node unless told
-            elif self.nodes == 1 and self.nodes_max in (None, 1):
-                total += g.count * self.multiplier(g.per)
-            else:
-                return None
-        return total
+        return self.tally.per_node if self.tally.by_type else 0
+
+    @property
+    def rewrite_blocker(self) -> str | None:
+        """Why a changed GPU type or count could not be written back without changing what else
+        Slurm reads from the request (None: one option with one entry, which a rewrite replaces)."""
+        asks = self.gpus
+        if not asks:
+            return "GPUs implied by --ntasks-per-gpu" if self.gpus_total else None
+        if len({g.option for g in asks}) > 1:
+            return "GPUs asked through several options (" + ", ".join(sorted({"--" + g.option for g in asks})) + ")"
+        if len(asks) > 1:
+            return f"several GPU entries in one --{asks[0].option}"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -159,6 +174,7 @@ class ComponentRequest(NamedTuple):
             "gpu_type": self.gpu_type,
             "gpu_types": self.gpu_types,
             "gpus_total": self.gpus_total,
+            "gpus_by_type": self.gpus_by_type,
             "gpus_per_node": self.gpus_per_node,
             "gpu_requests": [
                 {"type": g.type, "count": g.count, "per": g.per, "option": "--" + g.option}
@@ -198,9 +214,18 @@ class JobRequest(NamedTuple):
         return sum(c.gpus_total for c in self.components)
 
     @property
+    def gpus_by_type(self) -> dict[str, int]:
+        """GPUs per type over all components; untyped ones under ""."""
+        out: dict[str, int] = {}
+        for c in self.components:
+            for t, n in c.gpus_by_type.items():
+                out[t] = out.get(t, 0) + n
+        return out
+
+    @property
     def gpu_type(self) -> str | None:
         """The one type every GPU-requesting component asks for; None when any is untyped or they differ."""
-        types = {c.gpu_type for c in self.components if c.gpus}
+        types = {c.gpu_type for c in self.components if c.gpus_total}
         return types.pop() if len(types) == 1 else None
 
     @property
@@ -213,6 +238,7 @@ class JobRequest(NamedTuple):
             "script": self.script.path if self.script else None,
             "gpu_type": self.gpu_type,
             "gpus_total": self.gpus_total,
+            "gpus_by_type": self.gpus_by_type,
             "gpus_per_node": main.gpus_per_node,
             "nodes": main.nodes,
             "ntasks": main.ntasks,
@@ -276,11 +302,14 @@ def parse_gres(value: str, option: str = "--gres") -> tuple[list[tuple[str | Non
 
 
 def parse_gpus(value: str, option: str) -> list[tuple[str | None, int]]:
-    """Parse --gpus / --gpus-per-* values: ``[type:]count`` entries, comma-separated."""
+    """Parse --gpus / --gpus-per-* values: ``[type:]count`` entries, comma-separated; a lone type
+    is one GPU of it (sbatch sends ``-G a100`` as ``gres:gpu:a100``)."""
     out: list[tuple[str | None, int]] = []
     for item in value.split(","):
         parts = item.split(":")
-        if len(parts) == 1 and parts[0]:
+        if len(parts) == 1 and parts[0] and not (_COUNT.match(parts[0]) or parts[0].startswith("-")):
+            out.append((parts[0], 1))
+        elif len(parts) == 1 and parts[0]:
             out.append((None, parse_count(parts[0], option)))
         elif len(parts) == 2 and parts[0] and parts[1]:
             out.append((parts[0], parse_count(parts[1], option)))
@@ -412,7 +441,6 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
             gpus.extend(GpuAsk(t, c, "node", name, ov.origin, tuple(others)) for t, c in pairs)
         else:
             gpus.extend(GpuAsk(t, c, per, name, ov.origin) for t, c in parse_gpus(ov.value, "--" + name))  # type: ignore[arg-type]
-    _check_conflicts(gpus)
     constraint = val("constraint")
     ctypes = tuple(f.lower() for f in constraint_features(constraint) if f.lower() in features) if constraint else ()
 
@@ -437,12 +465,8 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
     if sum(val(n) is not None for n in ("mem", "mem-per-cpu", "mem-per-gpu")) > 1:
         given = [f"--{n}" for n in ("mem", "mem-per-cpu", "mem-per-gpu") if val(n) is not None]
         raise InputError(f"{' and '.join(given)} are mutually exclusive", option=given[-1])
-    if any(g.per == "task" for g in gpus) and not ({"ntasks", "ntasks-per-node", "nodes", "gpus"} & opts.keys()):
-        # sbatch's own check (slurm_opt.c), reported before submission rather than after.
-        raise InputError("--gpus-per-task used without either --gpus or -n/--ntasks is not allowed",
-                         option="--gpus-per-task")
     time_value = val("time")
-    return ComponentRequest(
+    comp = ComponentRequest(
         index=index,
         options=dict(opts),
         gpus=tuple(gpus),
@@ -464,18 +488,221 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
         array=val("array"),
         job_name=val("job-name"),
     )
+    return comp._replace(tally=tally_gpus(comp))
 
 
-def _check_conflicts(gpus: list[GpuAsk]) -> None:
-    """Two GPU options that cannot both hold (sbatch would refuse or silently pick one)."""
-    by_option: dict[str, GpuAsk] = {}
-    for g in gpus:
-        by_option.setdefault(g.option, g)
-    if "gres" in by_option and "gpus-per-node" in by_option:
-        raise InputError("--gres=gpu and --gpus-per-node both set the GPUs per node; use one",
-                         option="--gpus-per-node")
-    typed = {g.type for g in gpus if g.type}
-    if len(by_option) > 1 and len(typed) > 1:
-        a, b = list(by_option.values())[:2]
-        raise InputError(f"conflicting GPU types: --{a.option} asks for {a.type or 'any'}, "
-                         f"--{b.option} for {b.type or 'any'}", option="--" + b.option)
+# --- Slurm's GPU arithmetic ------------------------------------------------------------------
+#
+# sbatch turns --gpus into tres_per_job, --gpus-per-node then --gres into tres_per_node,
+# --gpus-per-socket and --gpus-per-task into tres_per_socket and tres_per_task (slurm_opt.c).
+# gres_job_state_validate (gres.c) keeps one record per GPU type ("" when untyped): a later entry
+# of the same type and unit replaces the count, and the record's total is the largest of
+# per-job count, per-node count x nodes, per-socket count x sockets and per-task count x tasks
+# seen while reading. It then checks the units against each other, deriving node, task and
+# socket counts, and refuses typed and untyped GPUs together. sbatch runs it first (its derived
+# counts go to slurmctld), slurmctld again; the TRES is the sum of the second run's totals.
+
+_UNITS: tuple[Per, ...] = ("job", "node", "socket", "task")
+
+
+class _Job:
+    """The job descriptor fields the GPU validation reads and may change (None: not set). A plain
+    class, not a dataclass: importing dataclasses would cost gsbatch's hot path ~10 ms."""
+
+    __slots__ = ("num_tasks", "min_nodes", "max_nodes", "ntasks_per_node", "ntasks_per_socket", "sockets_per_node",
+                 "cpus_per_task", "ntasks_per_gpu")
+
+    def __init__(self, num_tasks: int | None, min_nodes: int | None, max_nodes: int | None,
+                 ntasks_per_node: int | None, ntasks_per_socket: int | None, sockets_per_node: int | None,
+                 cpus_per_task: int | None, ntasks_per_gpu: int | None) -> None:
+        self.num_tasks, self.min_nodes, self.max_nodes = num_tasks, min_nodes, max_nodes
+        self.ntasks_per_node, self.ntasks_per_socket = ntasks_per_node, ntasks_per_socket
+        self.sockets_per_node, self.cpus_per_task, self.ntasks_per_gpu = sockets_per_node, cpus_per_task, ntasks_per_gpu
+
+
+class _Record:
+    """One GPU type's record: the last count per unit, the largest total seen."""
+
+    def __init__(self, gtype: str) -> None:
+        self.type = gtype
+        self.count: dict[Per, int] = {}
+        self.option: dict[Per, str] = {}
+        self.total = 0
+
+
+def _submitted_job(comp: ComponentRequest) -> _Job:
+    """What sbatch sends after its own option checks (src/sbatch/opt.c, _opt_verify)."""
+    def lenient(name: str) -> int | None:
+        ov = comp.options.get(name)
+        return int(ov.value) if ov and ov.value and ov.value.isdigit() else None
+
+    ntasks, min_nodes, max_nodes = comp.ntasks, comp.nodes, comp.nodes_max or 0
+    if comp.ntasks_per_node and ntasks is None and (max_nodes == 0 or min_nodes == max_nodes):
+        ntasks = min_nodes * comp.ntasks_per_node
+    if comp.nodes_set and (min_nodes == max_nodes or max_nodes == 0) and ntasks is None:
+        per_node = [n for n in (comp.sockets_per_node, lenient("cores-per-socket"), lenient("threads-per-core")) if n]
+        if per_node:  # one task per socket, core or thread unless told
+            ntasks = math.prod(per_node, start=max(min_nodes, 1))
+    elif comp.nodes_set and ntasks is not None:
+        max_nodes = min(max_nodes, ntasks) if max_nodes else max_nodes
+        if ntasks < min_nodes:
+            min_nodes = max_nodes = ntasks
+    return _Job(num_tasks=ntasks, min_nodes=min_nodes if comp.nodes_set else None,
+                max_nodes=max_nodes if comp.nodes_set and max_nodes else None,
+                ntasks_per_node=comp.ntasks_per_node, ntasks_per_socket=lenient("ntasks-per-socket"),
+                sockets_per_node=comp.sockets_per_node, cpus_per_task=comp.cpus_per_task,
+                ntasks_per_gpu=lenient("ntasks-per-gpu"))
+
+
+def _read_records(asks: Sequence[GpuAsk], job: _Job) -> list[_Record]:
+    """Slurm's records in its reading order, with their totals; untyped and typed together refused."""
+    if (job.ntasks_per_gpu or any(g.per == "task" for g in asks)) and job.num_tasks is None \
+            and job.min_nodes is not None and job.min_nodes == job.max_nodes:
+        if job.ntasks_per_gpu:
+            job.num_tasks = job.min_nodes * job.ntasks_per_gpu
+        elif job.ntasks_per_node:  # the task count implied by whole nodes
+            job.num_tasks = job.min_nodes * job.ntasks_per_node
+        elif job.cpus_per_task is None:
+            job.num_tasks = job.min_nodes
+    records: dict[str, _Record] = {}
+    for unit in _UNITS:
+        ordered = sorted((g for g in asks if g.per == unit), key=lambda g: g.option == "gres")
+        for g in ordered:
+            if g.count == 0:
+                continue  # Slurm skips a zero count entirely
+            rec = records.setdefault(g.type or "", _Record(g.type or ""))
+            rec.count[unit], rec.option[unit] = g.count, "--" + g.option
+            times = 1
+            if unit == "node" and job.min_nodes is not None:
+                times = job.min_nodes
+            elif unit == "socket" and job.min_nodes is not None and job.sockets_per_node is not None:
+                times = job.min_nodes * job.sockets_per_node
+            elif unit == "socket" and job.num_tasks is not None and job.ntasks_per_socket is not None:
+                times = -(-job.num_tasks // job.ntasks_per_socket)
+            elif unit == "task" and job.num_tasks is not None:
+                times = job.num_tasks
+            rec.total = max(rec.total, g.count * times)
+    if job.ntasks_per_gpu:  # tasks from GPUs, or (no GPUs asked) untyped GPUs for the job from tasks
+        if records:
+            job.num_tasks = sum(r.total for r in records.values()) * job.ntasks_per_gpu
+        elif job.num_tasks is not None:
+            if job.num_tasks >= job.ntasks_per_gpu:
+                if job.num_tasks % job.ntasks_per_gpu:
+                    raise InputError("-n/--ntasks has to be a multiple of --ntasks-per-gpu",
+                                     option="--ntasks-per-gpu")
+                rec = records[""] = _Record("")
+                rec.count["job"] = rec.total = job.num_tasks // job.ntasks_per_gpu
+                rec.option["job"] = "--ntasks-per-gpu"
+        else:
+            raise InputError("--ntasks-per-gpu needs either a GPU request or a node/task count",
+                             option="--ntasks-per-gpu")
+    for rec in records.values():
+        _check_units(rec, job)
+    if "" in records and len(records) > 1:
+        typed = next(r for r in records.values() if r.type)
+        untyped = records[""]
+        raise InputError("Invalid GRES specification (with and without type identification): "
+                         f"{next(iter(untyped.option.values()))} asks for untyped GPUs, "
+                         f"{next(iter(typed.option.values()))} for {typed.type}",
+                         option=next(iter(untyped.option.values())))
+    return list(records.values())
+
+
+def _check_units(rec: _Record, job: _Job) -> None:
+    """Slurm's _test_gres_cnt for one record: its units must agree; derived counts go into ``job``."""
+    c = rec.count
+    per_job, per_node, per_socket, per_task = (c.get(u, 0) for u in _UNITS)
+
+    def refuse(message: str, unit: Per) -> InputError:
+        return InputError(message, option=rec.option.get(unit))
+
+    if per_job and any(n > per_job for n in (per_node, per_task, per_socket)):
+        raise refuse("Failed to ensure --gpus >= --gres=gpu/--gpus-per-node >= --gpus-per-socket", "job")
+    if per_node and (per_task > per_node or per_socket > per_node):
+        raise refuse("Failed to ensure --gpus >= --gpus-per-task", "node")
+    if per_socket and job.sockets_per_node is None:
+        raise refuse("--gpus-per-socket option requires --sockets-per-node specification", "socket")
+    if per_job and per_node:
+        if per_job % per_node:
+            raise refuse("--gpus is not multiple of --gres=gpu/--gpus-per-node", "job")
+        nodes = per_job // per_node
+        if (job.min_nodes is not None and nodes < job.min_nodes) or (job.max_nodes is not None
+                                                                      and nodes > job.max_nodes):
+            raise refuse(f"Based on --gpus and --gres=gpu/--gpus-per-node required nodes ({nodes}) doesn't fall "
+                         f"between min_nodes ({job.min_nodes}) and max_nodes ({job.max_nodes}) boundaries", "job")
+        job.min_nodes = job.max_nodes = nodes
+    if per_node and per_socket:
+        if per_node % per_socket:
+            raise refuse("--gres=gpu/--gpus-per-node not multiple of --gpus-per-socket", "socket")
+        if job.sockets_per_node is None:
+            job.sockets_per_node = per_node // per_socket
+        elif job.sockets_per_node != per_node // per_socket:
+            raise refuse("Based on --gres=gpu/--gpus-per-node and --gpus-per-socket required number of sockets "
+                         "differ from --sockets-per-node", "socket")
+    if per_task:
+        if per_job:
+            if per_job % per_task:
+                raise refuse("--gpus not multiple of --gpus-per-task", "task")
+            if job.num_tasks is None:
+                job.num_tasks = per_job // per_task
+            elif job.num_tasks != per_job // per_task:
+                raise refuse("Based on --gpus and --gpus-per-task number of requested tasks differ from -n/--ntasks",
+                             "task")
+        elif job.num_tasks is not None:
+            per_job = job.num_tasks * per_task
+        else:
+            raise refuse("--gpus-per-task used without either --gpus or -n/--ntasks is not allowed", "task")
+    if per_node and per_task:
+        if per_node % per_task:
+            raise refuse("--gres=gpu/--gpus-per-node not multiple of --gpus-per-task", "task")
+        if not job.ntasks_per_node:
+            job.ntasks_per_node = per_node // per_task
+        elif job.ntasks_per_node != per_node // per_task:
+            raise refuse("Based on --gres=gpu/--gpus-per-node and --gpus-per-task requested number of tasks per "
+                         "node differ from --ntasks-per-node", "task")
+    if per_socket and per_task:
+        if per_socket % per_task:
+            raise refuse("--gpus-per-socket not multiple of --gpus-per-task", "task")
+        if not job.ntasks_per_socket:
+            job.ntasks_per_socket = per_socket // per_task
+        elif job.ntasks_per_socket != per_socket // per_task:
+            raise refuse("Based on --gpus-per-socket and --gpus-per-task requested number of tasks per sockets "
+                         "differ from --ntasks-per-socket", "task")
+    if per_job:
+        if job.min_nodes is not None and per_job < job.min_nodes:
+            raise refuse("--gpus < -N", "job" if "job" in c else "task")
+        if job.max_nodes is not None and per_job < job.max_nodes:
+            job.max_nodes = per_job
+
+
+def tally_gpus(comp: ComponentRequest) -> GpuTally:
+    """The component's GPUs as Slurm 22.05 counts them, with the node, task and socket counts it
+    derives; raises InputError where sbatch or slurmctld would refuse the combination."""
+    if not comp.gpus and "ntasks-per-gpu" not in comp.options:
+        return GpuTally(nodes=comp.nodes, tasks=comp.ntasks, sockets_per_node=comp.sockets_per_node)
+    if "ntasks-per-gpu" in comp.options:  # sbatch's own check (slurm_opt.c, _validate_ntasks_per_gpu)
+        for name in ("gpus-per-task", "gpus-per-socket", "ntasks-per-node"):
+            if name in comp.options:
+                raise InputError(f"--{name} is mutually exclusive with --ntasks-per-gpu", option="--" + name)
+    job = _submitted_job(comp)
+    _read_records(comp.gpus, job)  # sbatch's run; only its derived counts reach slurmctld
+    if job.min_nodes is None:
+        job.min_nodes = 1
+    records = _read_records(comp.gpus, job)  # slurmctld's run: the TRES
+    nodes = job.min_nodes or 1
+    single = nodes == 1 and job.max_nodes in (None, 1)
+    per_node: int | None = 0
+    for rec in records:
+        c = rec.count
+        if "node" in c:
+            n: int | None = c["node"]
+        elif "socket" in c:
+            n = c["socket"] * (job.sockets_per_node or 1)
+        elif "task" in c and job.ntasks_per_node:
+            n = c["task"] * job.ntasks_per_node
+        elif "task" in c and job.num_tasks == nodes and job.max_nodes == nodes:
+            n = c["task"]  # as many tasks as nodes: one on each
+        else:
+            n = rec.total if single else None
+        per_node = None if per_node is None or n is None else per_node + n
+    return GpuTally(tuple((r.type, r.total) for r in records), per_node, nodes, job.num_tasks, job.sockets_per_node)

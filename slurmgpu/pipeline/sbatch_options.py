@@ -153,6 +153,7 @@ ENV_OPTIONS: dict[str, str] = {
     "SBATCH_CPUS_PER_GPU": "cpus-per-gpu",
     "SBATCH_GPUS": "gpus",
     "SBATCH_GPUS_PER_NODE": "gpus-per-node",
+    "SBATCH_GPUS_PER_SOCKET": "gpus-per-socket",
     "SBATCH_GPUS_PER_TASK": "gpus-per-task",
     "SBATCH_GRES": "gres",
     "SBATCH_JOB_NAME": "job-name",
