@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install demo test test-unit bench evaluate replay lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install demo test test-unit test-slurm-diff bench evaluate replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ demo: install
 # The whole suite: the real local Slurm, PostgreSQL and MariaDB are started first.
 test: install cluster-up db-up
 	eval "$$($(DBS) env)" && $(PY) -m pytest -q
+
+# A few hundred generated GPU requests, each checked against the live Slurm (tests/test_slurm_diff.py).
+test-slurm-diff: install cluster-up
+	SLURMGPU_DIFF_EXAMPLES=300 $(PY) -m pytest -q -p no:cacheprovider tests/test_slurm_diff.py
 
 test-unit: install
 	$(PY) -m pytest -q -m 'not slurm'
