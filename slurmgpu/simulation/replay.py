@@ -288,6 +288,11 @@ def replay(workdir: str, seed: int = 1, progress: Callable[[str], None] = lambda
 
     seed, jobs = select_workload(seed)
     progress(f"seed {seed}: {len(jobs)} jobs over {jobs[-1].submit_s:.0f} s")
+    # Byte-compile the package first, as an install is: otherwise (PYTHONDONTWRITEBYTECODE, a fresh
+    # checkout) every gsbatch and every payload compiles it again, up to 8 at once on this node's
+    # CPUs, and slurmctld's start latency grows with the load.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(os.path.dirname(__file__))],
+                   check=True, stdout=subprocess.DEVNULL)
     wait_idle()
     os.makedirs(os.path.join(workdir, "submissions"), exist_ok=True)
     env = {**os.environ, "SLURMGPU_CONFIG": SAMPLE_CONFIG,
