@@ -172,6 +172,10 @@ def test_compare_orders() -> None:
     assert tied.start_discordant == 0
     assert tied.start_tau == pytest.approx(2 / math.sqrt(2 * 3))
     assert math.isnan(compare_orders({}, sim).start_tau)
+    # the simulation ends B (150) before C (160); really C ended 1 s before B: within 1 s that is no order
+    near = compare_orders({"A": (0, 101), "B": (102, 151), "C": (151, 150)}, sim)
+    assert near.end_discordant == 1
+    assert compare_orders({"A": (0, 101), "B": (102, 151), "C": (151, 150)}, sim, resolution_s=1).end_discordant == 0
 
 
 def test_cluster_from_config(sample_config: Path) -> None:

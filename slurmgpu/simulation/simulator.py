@@ -376,31 +376,35 @@ def efficiency(results: Iterable[SimResult], used_mem_fraction: Mapping[str, flo
     return Efficiency(used / held if held else math.nan, idle_hours)
 
 
-def compare_orders(real: Mapping[str, tuple[float, float]], simulated: Iterable[SimResult]) -> OrderReport:
+def compare_orders(real: Mapping[str, tuple[float, float]], simulated: Iterable[SimResult],
+                   resolution_s: float = 0.0) -> OrderReport:
     """How far the simulator's schedule is from a real replay of the same jobs.
 
     ``real`` maps job id to (start, end) in seconds from the same t0 as the simulated submit times.
     Discordant pairs are pairs of jobs the two schedules start (or end) in opposite order; ties
-    on either side are not discordant.
+    on either side are not discordant, and two real events at most ``resolution_s`` apart are a
+    tie (the real clock cannot order them).
     """
     sim = {r.job_id: (r.start_s, r.end_s) for r in simulated}
     common = sorted(real.keys() & sim.keys())
     missing = tuple(sorted(real.keys() ^ sim.keys()))
     a = np.array([real[j] for j in common], dtype=float).reshape(-1, 2)
     b = np.array([sim[j] for j in common], dtype=float).reshape(-1, 2)
-    s_disc, s_tau = _kendall(a[:, 0], b[:, 0])
-    e_disc, e_tau = _kendall(a[:, 1], b[:, 1])
+    s_disc, s_tau = _kendall(a[:, 0], b[:, 0], resolution_s)
+    e_disc, e_tau = _kendall(a[:, 1], b[:, 1], resolution_s)
     diff = np.abs(a - b).max(axis=0) if common else np.zeros(2)
     return OrderReport(len(common), missing, len(common) * (len(common) - 1) // 2, s_disc, e_disc, s_tau, e_tau,
                        float(diff[0]), float(diff[1]))
 
 
-def _kendall(x: np.ndarray, y: np.ndarray) -> tuple[int, float]:
-    """Discordant pairs and Kendall's tau-b, one row of pairs at a time to keep memory linear."""
+def _kendall(x: np.ndarray, y: np.ndarray, x_resolution: float = 0.0) -> tuple[int, float]:
+    """Discordant pairs and Kendall's tau-b, one row of pairs at a time to keep memory linear;
+    x values at most ``x_resolution`` apart count as tied."""
     n = len(x)
     concordant = discordant = tied_x = tied_y = 0
     for i in range(n - 1):
-        dx, dy = np.sign(x[i + 1:] - x[i]), np.sign(y[i + 1:] - y[i])
+        gap = x[i + 1:] - x[i]
+        dx, dy = np.where(np.abs(gap) <= x_resolution, 0.0, np.sign(gap)), np.sign(y[i + 1:] - y[i])
         prod = dx * dy
         concordant += int((prod > 0).sum())
         discordant += int((prod < 0).sum())
