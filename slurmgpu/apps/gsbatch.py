@@ -130,14 +130,11 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
     return made._replace(stdin=stdin_data)
 
 
-class DaemonPlanError(Exception):
-    """The daemon read the job and found the user's input bad: reported as in-process."""
-
-
 def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
                 timeout_s: float = 0.5) -> dict[str, Any] | None:
     """The plan made by ``slurmgpu serve`` (the fast path: templates and model are loaded there),
-    or None when there is no daemon, it serves another config, or it does not answer in time."""
+    or None when there is no daemon, it serves another config, or it does not answer in time.
+    Raises InputError when the daemon found the user's input bad, as the in-process plan would."""
     from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, call
 
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
@@ -160,7 +157,7 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
     if reply.get("ok") and isinstance(reply.get("plan"), dict):
         return dict(reply["plan"], stdin=None)
     if isinstance(reply.get("input_error"), str):
-        raise DaemonPlanError(reply["input_error"])
+        raise InputError(reply["input_error"])
     return None
 
 
@@ -224,10 +221,7 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     """The plan in JSON form: from the daemon when it answers, else made here (and explained,
     when asked). Raises InputError for bad user input."""
     if decider is None and config is not None:
-        try:
-            answered = daemon_plan(inv, env, config)
-        except DaemonPlanError as exc:
-            raise InputError(str(exc)) from None
+        answered = daemon_plan(inv, env, config)
         if answered is not None:
             return answered
     if decider is None:
