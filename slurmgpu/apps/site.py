@@ -121,10 +121,9 @@ def cached_free_gpus(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float
         except Exception:  # noqa: BLE001 - no cluster view: rank by runtime alone
             return {}
         try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            from slurmgpu.pipeline.spool import atomic_write
+            from slurmgpu.pipeline.spool import write_private
 
-            atomic_write(path, json.dumps(data).encode(), 0o600)
+            write_private(path, json.dumps(data).encode())
         except OSError:
             pass
         return data

@@ -149,12 +149,10 @@ def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
 
 def _store(cache: str, key: list[Any], raw: dict[str, Any]) -> None:
     """Keep the parsed config for the next load; a config JSON cannot hold (TOML dates) is not kept."""
-    from slurmgpu.pipeline.spool import atomic_write
+    from slurmgpu.pipeline.spool import write_private
 
     try:
-        data = json.dumps({"key": key, "config": raw}).encode()
-        os.makedirs(os.path.dirname(cache), mode=0o700, exist_ok=True)
-        atomic_write(cache, data, 0o600)
+        write_private(cache, json.dumps({"key": key, "config": raw}).encode())
     except (OSError, TypeError, ValueError):
         pass
 

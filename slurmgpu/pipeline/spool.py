@@ -75,6 +75,13 @@ def new_record(**fields: Any) -> dict[str, Any]:
             "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), **fields}
 
 
+def write_private(path: str, data: bytes) -> None:
+    """Atomically write a per-user cache file: mode 0600 in a directory created 0700, so no other
+    user reads or plants what gsbatch will trust on the next submission."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    atomic_write(path, data, 0o600)
+
+
 def ensure_personal_spool(directory: str) -> None:
     """A personal spool is created private (0700); a site spool is the admin's to create."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
