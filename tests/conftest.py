@@ -18,14 +18,14 @@ def _cluster_up() -> str | None:
     if shutil.which("sinfo") is None:
         return "Slurm tools not installed"
     try:
-        res = subprocess.run(["sinfo", "-h", "-n", "localhost", "-o", "%T"], capture_output=True, text=True,
+        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True,
                              timeout=15, check=False)
     except subprocess.TimeoutExpired:
         return "sinfo timed out"
     if res.returncode != 0:
         return res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "sinfo failed"
     if not res.stdout.strip() or any(s in res.stdout for s in ("down", "drain", "inval")):
-        return f"node localhost not usable ({res.stdout.strip() or 'absent'})"
+        return f"nodes not usable ({' '.join(res.stdout.split()) or 'none'})"
     return None
 
 

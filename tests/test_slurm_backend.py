@@ -23,10 +23,11 @@ def fake_tool(tmp_path: Path, name: str, output: str) -> str:
 def test_nodes_from_captured_sinfo(tmp_path: Path) -> None:
     out = (FIXTURES / "sinfo_nodes_22.05.txt").read_text()
     backend = slurm.CliBackend(sinfo=fake_tool(tmp_path, "sinfo", out))
-    [node] = backend.nodes()
-    assert node.name == "localhost"
-    assert set(node.partitions) == {"gpu", "gpu-small", "debug"}
-    assert dict(node.gpus) == {"a100": 4, "v100": 4, "t4": 4}
+    big, small = backend.nodes()
+    assert (big.name, big.partitions, dict(big.gpus)) == ("gpu1", ("gpu", "debug"), {"a100": 4, "v100": 4})
+    assert big.features == ("a100", "a100-80gb", "v100")
+    assert (small.name, small.partitions, dict(small.gpus), small.features) == \
+        ("gpu2", ("gpu-small", "debug"), {"t4": 4}, ("t4",))
 
 
 def test_gres_strings() -> None:
@@ -55,7 +56,7 @@ def test_missing_tool_is_a_clear_error() -> None:
 
 def test_pyslurm_nodes_use_its_gres_dict() -> None:
     node = types.SimpleNamespace(name="g1", partitions=["gpu"], configured_gres={"gpu:a100": 4, "gpu": 2},
-                                 state="IDLE")
+                                 state="IDLE", available_features=["a100"])
     fake = types.SimpleNamespace(Nodes=types.SimpleNamespace(load=lambda: {"g1": node}))
     [info] = slurm.PyslurmBackend(fake).nodes()
-    assert info.partitions == ("gpu",) and dict(info.gpus) == {"a100": 4, "": 2}
+    assert info.partitions == ("gpu",) and dict(info.gpus) == {"a100": 4, "": 2} and info.features == ("a100",)

@@ -27,6 +27,7 @@ class NodeInfo(NamedTuple):
     partitions: tuple[str, ...]
     gpus: Mapping[str, int] = MappingProxyType({})  # type ("" when untyped) -> count
     state: str = ""
+    features: tuple[str, ...] = ()  # available features (slurm.conf Feature=)
 
 
 class SlurmBackend(Protocol):
@@ -92,15 +93,16 @@ class CliBackend:
         return self._run([self.sinfo, "--version"]).split()[-1]
 
     def free_gpus(self) -> dict[str, int]:
-        """Idle GPUs per type right now (each node counted once, whatever its partitions)."""
-        out = self._run([self.sinfo, "-h", "-N", "-O", "NodeHost:|,Gres:|,GresUsed:|,StateCompact:|"])
+        """Idle GPUs per type right now (each node counted once, whatever its partitions; by node
+        name, since several nodes may share a host)."""
+        out = self._run([self.sinfo, "-h", "-N", "-O", "NodeList:|,Gres:|,GresUsed:|,StateCompact:|"])
         free: dict[str, int] = {}
         seen = set()
         for line in out.splitlines():
-            host, gres, used, state = line.split("|")[:4]
-            if host in seen or any(s in state for s in ("down", "drain", "fail", "maint")):
+            node, gres, used, state = line.split("|")[:4]
+            if node in seen or any(s in state for s in ("down", "drain", "fail", "maint")):
                 continue
-            seen.add(host)
+            seen.add(node)
             busy = parse_gres(re.sub(r"\(IDX:[^)]*\)", "", used))
             for gtype, count in parse_gres(gres).items():
                 free[gtype] = free.get(gtype, 0) + count - busy.get(gtype, 0)
@@ -119,16 +121,15 @@ class CliBackend:
         return m.group(1) if m else None
 
     def nodes(self) -> list[NodeInfo]:
-        out = self._run([self.sinfo, "-h", "-N", "-o", "%N|%P|%G|%T"])
+        out = self._run([self.sinfo, "-h", "-N", "-o", "%N|%P|%G|%T|%f"])
         merged: dict[str, NodeInfo] = {}
         for line in out.splitlines():
-            name, part, gres, state = line.split("|")
+            name, part, gres, state, features = line.split("|")
             part = part.rstrip("*")
             if name in merged:
-                old = merged[name]
-                merged[name] = NodeInfo(name, (*old.partitions, part), old.gpus, old.state)
+                merged[name] = merged[name]._replace(partitions=(*merged[name].partitions, part))
             else:
-                merged[name] = NodeInfo(name, (part,), parse_gres(gres), state)
+                merged[name] = NodeInfo(name, (part,), parse_gres(gres), state, _features(features))
         return list(merged.values())
 
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
@@ -176,6 +177,11 @@ class CliBackend:
         return Submitted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), job_id)
 
 
+def _features(text: str) -> tuple[str, ...]:
+    """sinfo's ``%f``: ``a100,v100`` or ``(null)``."""
+    return tuple(f for f in text.split(",") if f and f != "(null)")
+
+
 def _which(command: str, env: Mapping[str, str]) -> str | None:
     """COMMAND as the child's PATH finds it (as subprocess does), or None."""
     if os.sep in command:
@@ -200,7 +206,7 @@ class PyslurmBackend(CliBackend):
         # pyslurm >= 22.5: Node.configured_gres is a dict such as {"gpu:a100": 4}.
         return [NodeInfo(n.name, tuple(n.partitions or ()),
                          parse_gres(",".join(f"{k}:{v}" for k, v in (n.configured_gres or {}).items())),
-                         str(n.state))
+                         str(n.state), tuple(getattr(n, "available_features", None) or ()))
                 for n in self.pyslurm.Nodes.load().values()]  # type: ignore[attr-defined]
 
 
