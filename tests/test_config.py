@@ -42,7 +42,8 @@ def test_errors_name_the_key(tmp_path: Path, extra: str, fragment: str) -> None:
 
 def test_compare_with_cluster(sample_config: Path) -> None:
     cfg = load_config(sample_config)
-    nodes = [NodeInfo("n1", ("gpu", "gpu-small"), parse_gres("gpu:a100:4(S:0),gpu:v100:4,gpu:t4:4,nvme:1"))]
+    nodes = [NodeInfo("n1", ("gpu", "debug"), parse_gres("gpu:a100:4(S:0),gpu:v100:4,nvme:1"), "idle", ("a100", "v100")),
+             NodeInfo("n2", ("gpu-small", "debug"), parse_gres("gpu:t4:4(S:0)"), "idle", ("t4", "T4"))]
     assert compare_with_cluster(cfg, nodes) == []
     nodes = [NodeInfo("n1", ("gpu",), parse_gres("gpu:a100:4,gpu:h100:8"))]
     problems = compare_with_cluster(cfg, nodes)
@@ -51,22 +52,44 @@ def test_compare_with_cluster(sample_config: Path) -> None:
     assert any(p.startswith("partition gpu: the cluster offers GPU type h100, unknown") for p in problems)
 
 
+def layout(gpu: dict[str, int], small: dict[str, int], *, big_parts: tuple[str, ...] = ("gpu",),
+           big_features: tuple[str, ...] = ("a100", "v100"), extra: tuple[NodeInfo, ...] = ()) -> list[NodeInfo]:
+    """The local cluster's two nodes (contrib/local-slurm/cluster.sh), with one thing changed."""
+    return [NodeInfo("n1", big_parts, gpu, "idle", big_features),
+            NodeInfo("n2", ("gpu-small",), small, "idle", ("t4",)), *extra]
+
+
 @pytest.mark.parametrize("nodes, expect", [
     # each planted mismatch, alone, against the sample config (gpu: a100+v100, 4 per node, 1 node; gpu-small: t4)
-    ([NodeInfo("n1", ("gpu", "gpu-small"), {"a100": 2, "v100": 2, "t4": 4})],
+    (layout({"a100": 2, "v100": 2}, {"t4": 4}),
      "partition gpu: gpus_per_node = 4 but its nodes hold at most 2 a100, 2 v100 per node: set gpus_per_node = 2"),
-    ([NodeInfo("n1", ("gpu", "gpu-small"), {"a100": 8, "v100": 4, "t4": 4})],
+    (layout({"a100": 8, "v100": 4}, {"t4": 4}),
      "partition gpu: gpus_per_node = 4 but its nodes hold at most 8 a100, 4 v100 per node: set gpus_per_node = 8"),
-    ([NodeInfo("n1", ("gpu", "gpu-small"), {"a100": 4, "v100": 4, "t4": 4}),
-      NodeInfo("n2", ("gpu",), {"a100": 4})],
+    (layout({"a100": 4, "v100": 4}, {"t4": 4}, extra=(NodeInfo("n3", ("gpu",), {"a100": 4}),)),
      "partition gpu: nodes = 1 but it has 2 GPU node(s): set nodes = 2"),
-    ([NodeInfo("n1", ("gpu",), {"a100": 4, "v100": 4}), NodeInfo("n2", ("gpu-small",), {"t4": 4, "l4": 2})],
+    # partition membership: a node of gpu also in gpu-small brings a100 and v100 there
+    (layout({"a100": 4, "v100": 4}, {"t4": 4}, big_parts=("gpu", "gpu-small")),
+     ["partition gpu-small: its nodes hold a100 GPUs, which the config does not list for it: "
+      "add 'a100' to [partitions.gpu-small].gpu_types",
+      "partition gpu-small: its nodes hold v100 GPUs, which the config does not list for it: "
+      "add 'v100' to [partitions.gpu-small].gpu_types",
+      "partition gpu-small: nodes = 1 but it has 2 GPU node(s): set nodes = 2"]),
+    (layout({"a100": 4, "v100": 4, "t4": 2}, {"t4": 4}),
+     "partition gpu: its nodes hold t4 GPUs, which the config does not list for it: "
+     "add 't4' to [partitions.gpu].gpu_types"),
+    # node features: a100-80gb means a100 in the config; a node without a100 must not carry it
+    (layout({"v100": 4, "a100": 4}, {"t4": 4}, extra=(NodeInfo("n3", ("debug",), {"v100": 4}, "idle",
+                                                               ("v100", "a100-80gb")),)),
+     "node n3: feature a100-80gb means GPU type a100 in the config, but the node holds no a100: "
+     "remove 'a100-80gb' from [gpu_types.a100].features or from the node's Features"),
+    (layout({"a100": 4, "v100": 4}, {"t4": 4, "l4": 2}),
      "partition gpu-small: the cluster offers GPU type l4, unknown to the config: add [gpu_types.l4]"),
-    ([NodeInfo("n1", ("gpu",), {"a100": 4}), NodeInfo("n2", ("gpu-small",), {"t4": 4})],
+    (layout({"a100": 4}, {"t4": 4}, big_features=("a100",)),
      "partition gpu: GPU type v100 is configured but no node offers it: remove it from [partitions.gpu].gpu_types"),
 ])
-def test_config_check_catches_each_planted_mismatch(sample_config: Path, nodes: list[NodeInfo], expect: str) -> None:
-    assert compare_with_cluster(load_config(sample_config), nodes) == [expect]
+def test_config_check_catches_each_planted_mismatch(sample_config: Path, nodes: list[NodeInfo],
+                                                    expect: str | list[str]) -> None:
+    assert compare_with_cluster(load_config(sample_config), nodes) == ([expect] if isinstance(expect, str) else expect)
 
 
 def test_cached_config_follows_the_file(tmp_path: Path) -> None:

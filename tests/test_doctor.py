@@ -37,8 +37,9 @@ def config() -> Config:
 
 
 def local_cluster() -> list[NodeInfo]:
-    gpus = {"a100": 4, "v100": 4, "t4": 4}
-    return [NodeInfo("localhost", ("gpu", "gpu-small", "debug"), gpus, "idle")]
+    """The layout contrib/local-slurm/cluster.sh builds (and the sample config describes)."""
+    return [NodeInfo("gpu1", ("gpu", "debug"), {"a100": 4, "v100": 4}, "idle", ("a100", "a100-80gb", "v100")),
+            NodeInfo("gpu2", ("gpu-small", "debug"), {"t4": 4}, "idle", ("t4",))]
 
 
 def test_config_missing_invalid_valid(tmp_path: Path) -> None:

@@ -211,13 +211,11 @@ def to_json(checks: Sequence[Check]) -> str:
 
 
 def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
-    """Differences an admin must fix, one line each with the fix: configured partitions, GPU
-    types, GPUs per node and node counts the cluster does not have, and GPU types it has that
-    the config does not know. Empty only when all of these agree.
-
-    Not yet compared: GPU types a partition's nodes hold beyond those the config lists for it
-    (the config may keep a type out of a partition on purpose; on a one-node test cluster every
-    partition holds every type)."""
+    """Differences an admin must fix, one line each with the fix: configured partitions the
+    cluster lacks, GPU types a partition's nodes do not hold or hold beyond the config's list (an
+    untyped request there may get them), GPUs per node, node counts, GPU types unknown to the
+    config, and node features the config reads as a GPU type on nodes without that type (a
+    ``--constraint`` would be misread). Empty only when all of these agree."""
     problems: list[str] = []
     live_parts: dict[str, dict[str, int]] = {}
     gpu_nodes: dict[str, int] = {}
@@ -238,6 +236,10 @@ def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
             if gtype not in live:
                 problems.append(f"partition {p.name}: GPU type {gtype} is configured but no node offers it: "
                                 f"remove it from [partitions.{p.name}].gpu_types")
+        for gtype in sorted(live):
+            if gtype and gtype in config.gpu_types and gtype not in p.gpu_types:
+                problems.append(f"partition {p.name}: its nodes hold {gtype} GPUs, which the config does not list "
+                                f"for it: add {gtype!r} to [partitions.{p.name}].gpu_types")
         if held and max(held.values()) != p.gpus_per_node:
             counts = ", ".join(f"{c} {t}" for t, c in sorted(held.items()))
             problems.append(f"partition {p.name}: gpus_per_node = {p.gpus_per_node} but its nodes hold at most "
@@ -250,4 +252,11 @@ def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
             if gtype and gtype not in config.gpu_types:
                 problems.append(f"partition {part}: the cluster offers GPU type {gtype}, unknown to the config: "
                                 f"add [gpu_types.{gtype}]")
+    for n in nodes:
+        for feature in getattr(n, "features", ()):
+            gtype = config.type_for_feature(feature)
+            if gtype is not None and not n.gpus.get(gtype):
+                problems.append(f"node {n.name}: feature {feature} means GPU type {gtype} in the config, but the "
+                                f"node holds no {gtype}: remove {feature!r} from [gpu_types.{gtype}].features "
+                                f"or from the node's Features")
     return problems
