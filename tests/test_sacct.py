@@ -17,6 +17,7 @@ from slurmgpu.slurm.sacct import (
     JobRecord,
     RowError,
     format_fields,
+    gpu_usage_is_summed,
     gpus_of,
     parse_duration,
     parse_lines,
@@ -381,3 +382,35 @@ def test_tres():
     assert gpus_of(parse_tres("billing=1,cpu=1,gres/gpu=1,mem=500M,node=1")) == (None, 1)
     assert gpus_of(parse_tres("cpu=2,gres/gpu:a100=1,gres/gpu:v100=1,gres/gpu=2")) == (None, 2)
     assert gpus_of(parse_tres("cpu=1,mem=500M,node=1")) == (None, 0)
+
+
+@pytest.mark.parametrize(("version", "summed"), [("22.05.8", False), ("24.05.0", False), ("24.05.1", True),
+                                                 ("24.11.1", True), ("slurm-wlm 25.05.2", True)])
+def test_gpu_usage_summed_from_24_05_1(version: str, summed: bool) -> None:
+    assert gpu_usage_is_summed(version) is summed
+
+
+def test_summed_gpu_usage_is_per_gpu_for_the_batch_step_and_an_upper_bound_elsewhere():
+    # Slurm >= 24.05.1 adds up a step's GPUs: a batch step holding a job's 2 GPUs that peaked at
+    # 1000 MiB and 500 MiB reports gpumem=1500M; a srun step's sum is kept as it is.
+    lines = _lines(PARSABLE2)
+    jobs = _jobs(list(parse_lines(lines, FIELDS, "|")))
+    idx = FIELDS.index("TRESUsageInMax")
+    multi = next(j for j, v in jobs.items() if (v["gpu_count"] or 0) >= 2 and v["nodes"] == 1
+                 and any(ln.startswith(f"{j}.batch|") for ln in lines))
+    i = next(n for n, ln in enumerate(lines) if ln.startswith(f"{multi}.batch|"))
+    parts = lines[i].rstrip("\n").split("|")
+    parts[idx] += ",gres/gpumem=1500M,gres/gpuutil=120"
+    lines[i] = "|".join(parts) + "\n"
+    gpus = jobs[multi]["gpu_count"]
+    summed = _jobs(list(parse_lines(lines, FIELDS, "|", summed_gpu_usage=True)))[multi]
+    assert summed["sacct_gpu_mem_mib"] == pytest.approx(1500 / gpus)
+    assert summed["sacct_gpu_util"] == pytest.approx(120 / gpus)
+    one_gpu = _jobs(list(parse_lines(lines, FIELDS, "|")))[multi]  # before 24.05.1: already one GPU's figure
+    assert one_gpu["sacct_gpu_mem_mib"] == 1500.0
+    # an srun step of the same job (its batch line, renamed): its tasks may each hold one GPU
+    parts = lines[i].rstrip("\n").split("|")
+    parts[0] = parts[1] = f"{multi}.0"
+    parts[idx] = parts[idx].replace("gres/gpumem=1500M", "gres/gpumem=9000M")
+    lines.insert(i + 1, "|".join(parts) + "\n")
+    assert _jobs(list(parse_lines(lines, FIELDS, "|", summed_gpu_usage=True)))[multi]["sacct_gpu_mem_mib"] == 9000.0

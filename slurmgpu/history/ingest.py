@@ -168,12 +168,14 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
         mark = watermark(engine, cluster)
         since = mark - OVERLAP if mark else until - timedelta(days=default_days)
     argv = sacct_command(since, until)
+    summed = sacct.gpu_usage_is_summed(subprocess.run([argv[0], "--version"], capture_output=True, text=True,
+                                                      timeout=30, check=False).stdout)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
                             errors="surrogateescape")
     assert proc.stdout is not None and proc.stderr is not None
     try:
-        report = load_jobs(engine, sacct.parse_lines(proc.stdout, sacct.FIELDS, sacct.LIVE_DELIMITER, cluster),
-                           on_chunk=on_chunk)
+        report = load_jobs(engine, sacct.parse_lines(proc.stdout, sacct.FIELDS, sacct.LIVE_DELIMITER, cluster,
+                                                     summed), on_chunk=on_chunk)
     finally:
         proc.stdout.close()
         err = proc.stderr.read()

@@ -173,15 +173,29 @@ def _job_values(row: dict[str, str], cluster: str | None) -> dict[str, Any]:
     }
 
 
-def _fold_step(job: dict[str, Any], row: dict[str, str]) -> None:
-    """Take a step's usage maxima into its job (GPU memory/utilisation, RSS)."""
+def gpu_usage_is_summed(version: str) -> bool:
+    """From Slurm 24.05.1 a step's ``gres/gpumem`` and ``gres/gpuutil`` add up the GPUs its task
+    used; before, they were one GPU's figures."""
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+    return numbers >= (24, 5, 1)
+
+
+def _fold_step(job: dict[str, Any], row: dict[str, str], summed: bool = False) -> None:
+    """Take a step's usage maxima into its job (GPU memory/utilisation, RSS).
+
+    Where the figures are sums (``summed``), the batch step's are divided by the GPUs of the
+    job's first node, which its one task holds: the per-GPU mean. Other steps' tasks may each
+    hold one GPU, so their sums are kept as they are: an upper bound, never an under-estimate."""
     usage = parse_tres(row.get("TRESUsageInMax", ""))
+    share = 1.0
+    if summed and row.get("JobID", "").endswith(".batch") and job.get("gpu_count"):
+        share = max(1.0, job["gpu_count"] / max(1, job.get("nodes") or 1))
     if "gres/gpumem" in usage:
         mem = parse_size_mib(usage["gres/gpumem"], "TRESUsageInMax")
         if mem is not None:
-            job["sacct_gpu_mem_mib"] = max(job["sacct_gpu_mem_mib"] or 0.0, mem)
+            job["sacct_gpu_mem_mib"] = max(job["sacct_gpu_mem_mib"] or 0.0, mem / share)
     if "gres/gpuutil" in usage and usage["gres/gpuutil"].replace(".", "", 1).isdigit():
-        job["sacct_gpu_util"] = max(job["sacct_gpu_util"] or 0.0, float(usage["gres/gpuutil"]))
+        job["sacct_gpu_util"] = max(job["sacct_gpu_util"] or 0.0, float(usage["gres/gpuutil"]) / share)
     rss = parse_size_mib(row.get("MaxRSS", ""), "MaxRSS")
     if rss is not None:
         job["max_rss_mb"] = max(job["max_rss_mb"] or 0.0, rss)
@@ -198,11 +212,12 @@ def split_fields(line: str, nfields: int, delimiter: str) -> list[str] | None:
 
 
 def parse_lines(lines: Iterable[str], fields: tuple[str, ...] | None = None, delimiter: str = "|",
-                cluster: str | None = None) -> Iterator[JobRecord | RowError]:
+                cluster: str | None = None, summed_gpu_usage: bool = False) -> Iterator[JobRecord | RowError]:
     """Yield one JobRecord per job (after its steps) or a RowError per unreadable row.
 
     A first line that names the fields is a header: it is skipped, and it gives the field
-    order when none was passed.
+    order when none was passed. ``summed_gpu_usage``: the text comes from a Slurm that sums GPU
+    usage over a step's GPUs (see gpu_usage_is_summed).
     """
     current: dict[str, Any] | None = None
     current_line = 0
@@ -230,7 +245,7 @@ def parse_lines(lines: Iterable[str], fields: tuple[str, ...] | None = None, del
         try:
             if dot:
                 if current is not None and key == current_key:
-                    _fold_step(current, row)
+                    _fold_step(current, row, summed_gpu_usage)
                 else:
                     _fold_step({"sacct_gpu_mem_mib": None, "sacct_gpu_util": None, "max_rss_mb": None}, row)
                     orphan_steps.setdefault(key, []).append(row)
@@ -243,7 +258,7 @@ def parse_lines(lines: Iterable[str], fields: tuple[str, ...] | None = None, del
             yield JobRecord(current, current_line)
         current, current_key, current_line = values, key, lineno
         for step in orphan_steps.pop(key, ()):
-            _fold_step(current, step)
+            _fold_step(current, step, summed_gpu_usage)
     if current is not None:
         yield JobRecord(current, current_line)
 
