@@ -42,7 +42,8 @@ def test_errors_name_the_key(tmp_path: Path, extra: str, fragment: str) -> None:
 
 def test_compare_with_cluster(sample_config: Path) -> None:
     cfg = load_config(sample_config)
-    nodes = [NodeInfo("n1", ("gpu", "debug"), parse_gres("gpu:a100:4(S:0),gpu:v100:4,nvme:1"), "idle", ("a100", "v100")),
+    nodes = [NodeInfo("n1", ("gpu", "debug"), parse_gres("gpu:a100:4(S:0),gpu:v100:4,nvme:1"), "idle",
+                      ("a100", "v100")),
              NodeInfo("n2", ("gpu-small", "debug"), parse_gres("gpu:t4:4(S:0)"), "idle", ("t4", "T4"))]
     assert compare_with_cluster(cfg, nodes) == []
     nodes = [NodeInfo("n1", ("gpu",), parse_gres("gpu:a100:4,gpu:h100:8"))]
