@@ -105,7 +105,7 @@ def _predicted_peak(bundle: Bundle, config, text: str, gtype: str = "a100") -> f
 
     gt = config.gpu_types[gtype]
     f = job_features(sf, {"gpus_total": 1}, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, 1,
-                     bundle.history, "ann")
+                     bundle.history)
     return bundle.predict(f, sf["family"]).peak_mem_mib
 
 
@@ -197,3 +197,16 @@ def test_hexdigest_from_builtin_modules_equals_hashlib(algorithm: str) -> None:
 
     for data in (b"", b"#!/bin/bash\nsrun python train.py\n", bytes(range(256)) * 300):
         assert hexdigest(algorithm, data) == hashlib.new(algorithm, data).hexdigest()
+
+
+def test_the_world_readable_bundle_holds_no_per_user_statistics(trained, tmp_path: Path) -> None:
+    """A bundle is installed 0644: it must not tell one user another's job counts or habits."""
+    path = tmp_path / "model.json"
+    trained[0].save(str(path))
+    data = json.loads(path.read_text())
+    assert set(data["history"]) == {"families"}
+    assert not any(name.startswith("user") for name in data["features"])
+    text = path.read_text()
+    for user in ("ann", "bob", "cy"):  # the history's users
+        assert f'"{user}"' not in text
+    assert oct(path.stat().st_mode & 0o777) == "0o644"

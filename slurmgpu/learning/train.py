@@ -67,15 +67,13 @@ def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
 
 
 class _Running:
-    """Per-family and per-user statistics accumulated in submission order."""
+    """Per-family statistics accumulated in submission order (none per user: the bundle is world-readable)."""
 
     def __init__(self) -> None:
         self.fam: dict[str, dict[str, float]] = {}
-        self.usr: dict[str, dict[str, float]] = {}
 
     def snapshot(self) -> HistoryStats:
-        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()},
-                            {k: {"n": v["n"], "overask": v["ask"] / max(v["use"], 1e-9)} for k, v in self.usr.items()})
+        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()})
 
     @staticmethod
     def _family_view(s: Mapping[str, float]) -> dict[str, Any]:
@@ -97,11 +95,7 @@ class _Running:
         s = self.fam.get(key)
         return self._family_view(s) if s else {}
 
-    def user_now(self, user: str | None) -> dict[str, float]:
-        s = self.usr.get(user or "")
-        return {"n": s["n"], "overask": s["ask"] / max(s["use"], 1e-9)} if s else {}
-
-    def add(self, row: Mapping[str, Any], gpu_mem_mib: float) -> None:
+    def add(self, row: Mapping[str, Any]) -> None:
         key = row["script"]["family"]
         s = self.fam.setdefault(key, dict.fromkeys(("n", "m", "oom", "lpmax", "ltmax", "lpsum", "t", "p", "tt",
                                                     "tp", "tmin", "pmin"), 0.0))
@@ -124,11 +118,6 @@ class _Running:
             s["p"] += row["peak"]
             s["tt"] += tokens * tokens
             s["tp"] += tokens * row["peak"]
-        u = self.usr.setdefault(row["user"] or "", {"n": 0.0, "ask": 0.0, "use": 0.0})
-        u["n"] += 1
-        if row["peak"]:
-            u["ask"] += gpu_mem_mib
-            u["use"] += row["peak"]
 
 
 def _gpu(config: Config, name: str | None) -> dict[str, float]:
@@ -143,15 +132,14 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
     examples = []
     for row in rows:
         gpu = _gpu(config, row["gpu_type"])
-        history = HistoryStats({row["script"]["family"]: running.family_now(row["script"]["family"])},
-                               {row["user"] or "": running.user_now(row["user"])})
+        history = HistoryStats({row["script"]["family"]: running.family_now(row["script"]["family"])})
         request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"]}
         gpus = max(int(row["gpus"]), 1)
-        f = job_features(row["script"], request, gpu, gpus, history, row["user"])
+        f = job_features(row["script"], request, gpu, gpus, history)
         base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
         oom = gpu_oom(row, config)
         examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
-        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"]}, gpu["memory_gib"] * 1024)
+        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"]})
     return examples, running.snapshot()
 
 
@@ -186,7 +174,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": _shifted(TreeEnsemble.from_catboost(m_mem), calibration),
         "runtime": TreeEnsemble.from_catboost(m_run),
-        "history": {"families": snapshot.families, "users": snapshot.users},
+        "history": {"families": snapshot.families},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
         "jobs": len(examples),
     })

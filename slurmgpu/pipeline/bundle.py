@@ -126,7 +126,8 @@ class Bundle:
         self.data = dict(data)
         self.memory = TreeEnsemble(data["memory"])
         self.runtime = TreeEnsemble(data["runtime"])
-        self.history = HistoryStats(data["history"]["families"], data["history"]["users"])
+        # Per-family history only: a bundle is world-readable, so it carries nothing per user.
+        self.history = HistoryStats(data["history"]["families"])
         self.quantile = float(data["quantile"])
 
     @classmethod

@@ -55,8 +55,9 @@ SCRIPT_NUMERIC = ("params_b", "log_tokens", "batch_size", "seq_len", "precision_
                   "int8", "nproc", "log_steps")
 NUMERIC = ("req_gpus", "req_gpu_mem_gib", "gpus", "gpu_mem_gib", "gpu_speed", "params_b", "log_tokens",
            "batch_size", "seq_len", "precision_bits", "lora", "ckpt", "zero", "int8", "nproc", "log_steps",
-           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate",
-           "user_n", "user_overask")
+           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate")
+# No per-user features: the model bundle is readable by every user, so it carries no per-user
+# statistics (a user's job count or over-request ratio is that user's business alone).
 
 
 
@@ -175,29 +176,23 @@ def script_features(script: str) -> dict[str, Any]:
 
 
 class HistoryStats:
-    """Per-family and per-user statistics, computed as of training time and shipped in the model."""
+    """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
-    def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None,
-                 users: Mapping[str, Mapping[str, float]] | None = None) -> None:
+    def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None) -> None:
         self.families = dict(families or {})
-        self.users = dict(users or {})
 
     def family(self, key: str) -> Mapping[str, float]:
         return self.families.get(key, {})
 
-    def user(self, name: str | None) -> Mapping[str, float]:
-        return self.users.get(name or "", {})
-
 
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],
-                 gpus: int, history: HistoryStats, user: str | None) -> dict[str, float]:
+                 gpus: int, history: HistoryStats) -> dict[str, float]:
     """The model's numeric input for running this job on ``gpus`` GPUs of type ``gpu``.
 
     ``gpu`` carries the candidate type's memory (GiB) and relative speed; ``request`` is the
     normalised request (``JobRequest.to_json()``) with the requested type's memory filled in.
     """
     fam = history.family(script_feats["family"])
-    usr = history.user(user)
     return {
         "req_gpus": float(request.get("gpus_total") or 0),
         "req_gpu_mem_gib": float(request.get("req_gpu_mem_gib") or 0.0),
@@ -210,8 +205,6 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
-        "user_n": float(usr.get("n", 0.0)),
-        "user_overask": float(usr.get("overask", 1.0)),
     }
 
 

@@ -60,6 +60,10 @@ class Decision(NamedTuple):
 KEEP = Decision()
 
 
+# Whether Slurm would take this component in that partition: None when it would, else why not.
+Admits = Callable[[str, ComponentRequest], "str | None"]
+
+
 class Decider(Protocol):
     name: str
 
@@ -88,8 +92,8 @@ class RuleDecider:
 
     name = "rules"
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    def __init__(self, config: Config, admits: Admits | None = None) -> None:
+        self.config, self.admits = config, admits
 
     def decide(self, request: JobRequest) -> Decision:
         changes: list[ComponentChange] = []
@@ -123,7 +127,13 @@ class RuleDecider:
             offering = cfg.partitions_with(gtype)
             if not offering:
                 return None, [f"{label}no configured partition offers GPU type {gtype}; request kept"], None
-            target = offering[0]
+            refused = {p.name: self.admits(p.name, comp) for p in offering} if self.admits else {}
+            open_to_job = [p for p in offering if refused.get(p.name) is None]
+            if not open_to_job:
+                why = "; ".join(r for r in refused.values() if r)
+                return None, [f"{label}GPU type {gtype} is not in partition {','.join(asked)}, and no partition "
+                              f"offering it admits the job ({why}); request kept"], None
+            target = open_to_job[0]
             if shared := _shared_in_hetjob(comp, ["partition"], het):
                 return None, [f"{label}GPU type {gtype} is not in partition {','.join(asked)}, but {shared}; "
                               "request kept"], None
@@ -182,9 +192,9 @@ class ModelDecider:
     unseen_penalty = 1.6  # memory and runtime on a type or count the job family has never run on
 
     def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
-                 user: str | None = None) -> None:
-        self.config, self.bundle, self.free_gpus, self.user = config, bundle, free_gpus, user
-        self.rules = RuleDecider(config)
+                 user: str | None = None, admits: Admits | None = None) -> None:
+        self.config, self.bundle, self.free_gpus, self.user, self.admits = config, bundle, free_gpus, user, admits
+        self.rules = RuleDecider(config, admits)
 
     def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = ()) -> Decision:
         return rule._replace(reasons=(*rule.reasons, why), decider=self.name, per_type=per_type)
@@ -224,7 +234,7 @@ class ModelDecider:
                 counts = range(1, min(req_total, part.gpus_per_node) + 1) if comp.nodes == 1 else [req_total]
                 # only counts the user's unit can say: 3 GPUs over 2 tasks is no --gpus-per-task value
                 counts = [c for c in counts if c % comp.multiplier(comp.gpus[0].per) == 0]
-                options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history, self.user)) for c in counts)
+                options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history)) for c in counts)
         preds = self.bundle.predict_many([f for _, _, f in options], sf["family"])
         # A type or count the family never ran on is a prediction from other families: doubt it more.
         seen = set(self.bundle.history.family(sf["family"]).get("shapes", ())) | {f"{req_total}x{req_type}"}
@@ -240,8 +250,18 @@ class ModelDecider:
             return self._keep(rule, "model: the requested type/count is outside the configured partitions; "
                                     "request kept", per_type)
         baseline = min(asked, key=lambda c: c.expected_wait_s + c.pred_runtime_s)
+        effective = target or comp.partition or self.config.default_partition
+        # Where each type would run: the job's own partition when it has the type, else another
+        # offered one, and only one whose Slurm rules admit the job (a move must not get it refused).
+        home: dict[str, str] = {}
+        for p in offered:
+            for gtype in p.gpu_types:
+                if gtype not in home and (p.name == effective or self.admits is None
+                                          or self.admits(p.name, comp) is None):
+                    home[gtype] = p.name
         enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
-        choices = [c for c in enough if c is not None and self._in_time(c, baseline, comp.time_limit_s)]
+        choices = [c for c in enough if c is not None and c.gpu_type in home
+                   and self._in_time(c, baseline, comp.time_limit_s)]
         if not choices:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
                                     "request kept", per_type)
@@ -252,8 +272,7 @@ class ModelDecider:
         if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept",
                               per_type)
-        partition = next(p.name for p in offered if best.gpu_type in p.gpu_types)
-        effective = target or comp.partition or self.config.default_partition
+        partition = home[best.gpu_type]
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
@@ -299,12 +318,13 @@ class ModelDecider:
 
 
 def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[], Mapping[str, int]] | None = None,
-                 user: str | None = None) -> Decider:
-    """The configured decider; the model decider needs a loaded bundle (else: keep)."""
+                 user: str | None = None, admits: Admits | None = None) -> Decider:
+    """The configured decider; the model decider needs a loaded bundle (else: keep). ``admits``
+    (when given) keeps both deciders from moving a job to a partition Slurm would refuse it in."""
     if config is None:
         return KeepDecider("no slurmgpu config installed; request kept")
     if config.policy.decider == "keep":
         return KeepDecider("policy.decider = keep")
     if config.policy.decider == "model" and model is not None:
-        return ModelDecider(config, model, free_gpus or (lambda: {}), user)
-    return RuleDecider(config)
+        return ModelDecider(config, model, free_gpus or (lambda: {}), user, admits)
+    return RuleDecider(config, admits)
