@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from datetime import UTC, datetime, timedelta
@@ -85,6 +86,10 @@ def write_record(record: JobRecord, spool: str) -> str:
 
 
 _KINDS = {int: "int", float: "number", str: "string", datetime: "ISO-8601 UTC time"}
+INT_LIMIT = 2**31  # every int field lands in a 32-bit SQL column
+STR_LIMITS = {"source": 16, "cluster": 64, "job_id": 64, "hostname": 128, "user": 64}  # the store's column widths
+MAX_STR = 256  # any other string (GPU names, UUIDs)
+MAX_GPUS = 256
 
 
 
@@ -96,17 +101,41 @@ def _check(kind: Any, value: object) -> object:
             return None
         kind = next(a for a in get_args(kind) if a is not type(None))
     if kind is int and type(value) is int:
-        return value
+        if -INT_LIMIT < value < INT_LIMIT:
+            return value
+        raise ValueError(f"expected int of at most 31 bits, got {_show(value)}")
     if kind is float and type(value) in (int, float):
-        return float(value)  # type: ignore[arg-type]
+        if math.isfinite(value):  # type: ignore[arg-type]
+            return float(value)  # type: ignore[arg-type]
+        raise ValueError(f"expected a finite number, got {_show(value)}")
     if kind is str and isinstance(value, str):
-        return value
+        if len(value) <= MAX_STR and _storable(value):
+            return value
+        raise ValueError(f"expected string of at most {MAX_STR} characters, no NUL, valid UTF-8, got {_show(value)}")
     if kind is datetime and isinstance(value, str):
         with contextlib.suppress(ValueError):
             t = datetime.fromisoformat(value)
             if t.utcoffset() == timedelta(0):
                 return t
-    raise ValueError(f"expected {_KINDS[kind]}{' or null' if optional else ''}, got {json.dumps(value)[:60]}")
+    raise ValueError(f"expected {_KINDS[kind]}{' or null' if optional else ''}, got {_show(value)}")
+
+
+def _storable(text: str) -> bool:
+    """No NUL (PostgreSQL text refuses it) and no lone surrogate (no database encodes one)."""
+    if "\0" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show(value: object) -> str:
+    try:
+        return json.dumps(value)[:60]
+    except ValueError:  # a float json cannot write
+        return repr(value)[:60]
 
 
 
@@ -121,14 +150,17 @@ def _fields(cls: type[Any], obj: object, where: str) -> dict[str, Any]:
         if field not in obj:
             raise ValueError(f"{name}: missing")
         if field == "gpus":
-            if not isinstance(obj[field], list) or not obj[field]:
-                raise ValueError(f"{name}: expected a non-empty list")
+            if not isinstance(obj[field], list) or not 1 <= len(obj[field]) <= MAX_GPUS:
+                raise ValueError(f"{name}: expected a non-empty list of at most {MAX_GPUS} GPUs")
             out[field] = tuple(GpuRecord(**_fields(GpuRecord, g, f"gpus[{i}]")) for i, g in enumerate(obj[field]))
             continue
         try:
             out[field] = _check(kind, obj[field])
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        limit = STR_LIMITS.get(field) if not where else None
+        if isinstance(out[field], str) and limit is not None and not 0 < len(out[field]) <= limit:
+            raise ValueError(f"{name}: expected 1 to {limit} characters, got {len(out[field])}")
     return out
 
 
@@ -136,22 +168,32 @@ def _fields(cls: type[Any], obj: object, where: str) -> dict[str, Any]:
 def read_record(path: str) -> JobRecord:
     """Read and validate one spool file; ValueError names the file and the offending field.
 
-    Unknown keys are ignored, so adding a field does not need a new version.
+    Unknown keys are ignored, so adding a field does not need a new version. (The ingest opens
+    spool files itself, refusing anything but a small regular file, and calls parse_record.)
     """
     with open(path, "rb") as f:
         raw = f.read()
+    return parse_record(raw, path)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a record may hold")
+
+
+def parse_record(raw: bytes, where: str) -> JobRecord:
+    """Validate a record's bytes; ValueError names ``where`` and the offending field."""
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{path}: not JSON: {exc}") from None
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{where}: not JSON: {exc}") from None
     try:
         if isinstance(data, dict) and data.get("version") != SCHEMA_VERSION:
-            raise ValueError(f"version: expected {SCHEMA_VERSION}, got {json.dumps(data.get('version'))}")
+            raise ValueError(f"version: expected {SCHEMA_VERSION}, got {_show(data.get('version'))}")
         record = JobRecord(**_fields(JobRecord, data, ""))
         if not JOB_ID.fullmatch(record.job_id):
             raise ValueError(f"job_id: expected a Slurm job id such as 123, 123_4 or 123+0, got {record.job_id!r}")
         if record.end < record.start:
             raise ValueError("end: before start")
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
     return record
