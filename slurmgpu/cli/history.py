@@ -5,12 +5,30 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
 
 from slurmgpu.cli.common import current_user, db_url, fail, history_engine, progress, safe_url, site_config, to_utc
 from slurmgpu.pipeline.errors import InputError
+
+
+@contextmanager
+def database_errors(ctx: click.Context) -> Iterator[None]:
+    """A locked, lost or unreachable database ends the command with one line saying which and what to do."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    try:
+        yield
+    except (OperationalError, InterfaceError) as exc:
+        from slurmgpu.history.db import describe_error
+
+        fail(RuntimeError(describe_error(db_url(ctx), exc)))
+
+
+SHOWN_SPOOL_LINES = 50  # per kind of message: a hostile spool must not flood the nightly log
 
 
 @click.group("db")
@@ -30,7 +48,8 @@ def _migrate(ctx: click.Context, direction: str, revision: str) -> None:
     from slurmgpu.history import db
 
     url = db_url(ctx)
-    getattr(db, direction)(url, revision)
+    with database_errors(ctx):
+        getattr(db, direction)(url, revision)
     click.echo(f"{safe_url(url)}: at revision {db.current_revision(url) or 'base'}")
 
 
@@ -86,27 +105,41 @@ def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, de
         columns = sacct.format_fields(fields) if fields else None
     except ValueError as exc:
         fail(InputError(str(exc), option="--format"))
-    with progress() as advance:
-        if from_file:
-            report = _ingest_file(engine, from_file, columns, delimiter, cluster, advance)
-        else:
-            try:
-                report = ingest.ingest_sacct(engine, cluster, to_utc(since), to_utc(until), on_chunk=advance)
-            except (RuntimeError, OSError) as exc:
-                fail(exc)
-    if spool:
-        site = config.site if config else None
-        ingest.load_submissions(engine, submission_spool(site.submission_spool if site else None, os.environ), report)
-        ingest.load_gpu_records(engine, gpu_spool(site.gpu_spool if site else None, os.environ), report)
+    with database_errors(ctx):
+        with progress() as advance:
+            if from_file:
+                report = _ingest_file(engine, from_file, columns, delimiter, cluster, advance)
+            else:
+                try:
+                    report = ingest.ingest_sacct(engine, cluster, to_utc(since), to_utc(until), on_chunk=advance)
+                except (RuntimeError, OSError) as exc:
+                    fail(exc)
+        if spool:
+            site = config.site if config else None
+            ingest.load_submissions(engine, submission_spool(site.submission_spool if site else None, os.environ),
+                                    report)
+            ingest.load_gpu_records(engine, gpu_spool(site.gpu_spool if site else None, os.environ), report)
     for err in report.errors[:20]:
         click.echo(f"slurmgpu: rejected {from_file or 'sacct'}:{err.line}: {err.message}", err=True)
     if len(report.errors) > 20:
         click.echo(f"slurmgpu: ... and {len(report.errors) - 20} more rejected rows", err=True)
-    for item in report.files_rejected:
-        click.echo(f"slurmgpu: rejected spool record {item}", err=True)
+    _echo_some("set aside spool record", report.files_rejected)
+    _echo_some("spool record", report.files_kept)
+    if report.files_unreadable:
+        _echo_some("cannot read spool record as this account (left in place)", report.files_unreadable)
+        click.echo("slurmgpu: the ingest's account must be in the spool's group and records group-readable "
+                   "(see 'Security model: spools and the nightly account' in the README); "
+                   "records written before that can be drained once by root", err=True)
     click.echo(report.summary())
-    if report.errors or report.files_rejected:
+    if report.errors or report.files_rejected or report.files_unreadable:
         sys.exit(1)
+
+
+def _echo_some(label: str, lines: list[str]) -> None:
+    for line in lines[:SHOWN_SPOOL_LINES]:
+        click.echo(f"slurmgpu: {label} {line}", err=True)
+    if len(lines) > SHOWN_SPOOL_LINES:
+        click.echo(f"slurmgpu: ... and {len(lines) - SHOWN_SPOOL_LINES} more", err=True)
 
 
 def _ingest_file(engine: Any, path: str, columns: Any, delimiter: str, cluster: str, advance: Any) -> Any:
@@ -141,7 +174,8 @@ def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, jo
         if user and user != me:
             fail(InputError(f"you may only list your own jobs, not {user}'s", option="--user"))
         user = me
-    rows = job_rows(history_engine(ctx), user=user, since=to_utc(since), job_ids=job_ids, limit=limit)
+    with database_errors(ctx):
+        rows = job_rows(history_engine(ctx), user=user, since=to_utc(since), job_ids=job_ids, limit=limit)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -178,7 +212,8 @@ def history_import_cmd(ctx: click.Context, file: str, cluster: str | None) -> No
     cluster = cluster or (config.site.cluster if config else None) or "default"
     engine = history_engine(ctx)
     try:
-        report = import_history(engine, file, cluster)
+        with database_errors(ctx):
+            report = import_history(engine, file, cluster)
     except (ValueError, OSError) as exc:
         fail(InputError(str(exc), file=file))
     errors = report.jobs.errors

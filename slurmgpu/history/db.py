@@ -30,6 +30,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 DEFAULT_SQLITE = os.path.join("~", ".local", "share", "slurmgpu", "slurmgpu.db")
+LOCK_TIMEOUT_S = 5  # how long a writer waits for SQLite's lock, or a server's connection, before it says so
 
 
 def utcnow() -> datetime:
@@ -176,7 +177,7 @@ def resolve_url(url: str | None = None) -> str:
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers never block the nightly writer
-    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute(f"PRAGMA busy_timeout={LOCK_TIMEOUT_S * 1000}")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
@@ -192,10 +193,25 @@ def make_engine(url: str | None = None) -> Engine:
             os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", mode=0o700, exist_ok=True)
             if not os.path.exists(path):
                 os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-        engine = create_engine(url)
+        engine = create_engine(url, connect_args={"timeout": LOCK_TIMEOUT_S})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    connect_args: dict[str, Any] = {}
+    if parsed.get_backend_name() in ("postgresql", "mysql", "mariadb") and "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = LOCK_TIMEOUT_S  # an unreachable server answers in seconds, not minutes
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+def describe_error(url: str, exc: BaseException) -> str:
+    """One line for a database that cannot be used now: which database, what happened, what to do."""
+    shown = make_url(url).render_as_string(hide_password=True)
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    first = detail[0] if detail else type(exc).__name__
+    if "locked" in first or "lock wait timeout" in first.lower():
+        return (f"database {shown} is locked by another writer (another `slurmgpu ingest`, `train` or `nightly`?): "
+                f"gave up after {LOCK_TIMEOUT_S} s; run again when it has finished")
+    return (f"database {shown} unreachable: {first}: check that it is running and that --db, "
+            "$SLURMGPU_DB_URL or the config's [site] database_url names it")
 
 
 def migrations_dir() -> str:
