@@ -2,16 +2,21 @@
 
 On a shared login node users get no write access to the database. gsbatch writes one small
 JSON file per submission into a spool directory that is sticky and write-only for others
-(mode 1733: nobody can list or read anyone else's records) and the ingest, run by the admin,
-loads them and takes the user from the file's owner, never from what the file says.
-Writes are atomic (temporary name, then rename), so the ingest never sees half a record.
+(mode 3733, owned by the nightly account and its group `slurmgpu`: nobody can list or read
+anyone else's records) and the ingest, run by the nightly account, loads them and takes the user
+from the file's owner, never from what the file says. In a setgid spool a record gets the
+directory's group and mode 0640, so the nightly account (in that group) can read it and no other
+user can; anywhere else it is 0600. Writes are atomic (temporary name, then rename), so the ingest
+never sees half a record. See "Security model: spools and the nightly account" in the README.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -56,16 +61,52 @@ def atomic_write(path: str, data: bytes, mode: int) -> None:
             os.close(dfd)
 
 
+def write_output(path: str, data: bytes, mode: int) -> None:
+    """Write an output file the admin named: a regular file or a new path is replaced atomically
+    (atomic_write); anything else (a character device such as /dev/null, a FIFO, a symlink such as
+    /dev/stdout) is opened and written in place, so the device, pipe or link stays what it was.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        atomic_write(path, data, mode)
+        return
+    if stat.S_ISREG(st.st_mode):
+        atomic_write(path, data, mode)
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)  # follows the link
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
 
 def gpu_spool(configured: str | None, env: Mapping[str, str]) -> str:
     """$SLURMGPU_GPU_SPOOL, then the site's collector spool, then a personal one."""
     return os.path.expanduser(env.get("SLURMGPU_GPU_SPOOL") or configured or os.path.join(PERSONAL_SPOOL, "gpu"))
 
 
+def record_mode(directory: str) -> int:
+    """0640 in a setgid spool (the file takes the directory's group: the nightly account's), else 0600.
+
+    Only the setgid bit makes the group readable: without it the file would take the writer's own
+    primary group, which on many sites every user shares.
+    """
+    try:
+        return 0o640 if os.stat(directory).st_mode & stat.S_ISGID else 0o600
+    except OSError:
+        return 0o600  # the write itself will fail and say why
+
+
 def write_record(directory: str, record: Mapping[str, Any]) -> str:
-    """Write one submission record atomically, readable by its owner only; returns its path."""
+    """Write one submission record atomically, readable by its owner (and, in a setgid spool, by the
+    spool's group); returns its path."""
     path = os.path.join(directory, f"sub-{record['record_id']}.json")
-    atomic_write(path, json.dumps(record, separators=(",", ":"), sort_keys=True).encode(), 0o600)
+    atomic_write(path, json.dumps(record, separators=(",", ":"), sort_keys=True).encode(), record_mode(directory))
     return path
 
 
