@@ -8,16 +8,22 @@ jobs that were still running last time are updated.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import pwd
+import re
+import stat
 import subprocess
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from sqlalchemy import Insert, Table, select
+from sqlalchemy import ColumnElement, Insert, Table, or_, select
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from slurmgpu.history.db import GpuUsage, IngestState, Job, Submission, utcnow
 from slurmgpu.pipeline.spool import RECORD_VERSION
@@ -39,13 +45,27 @@ class Report:
         self.inserted = self.updated = self.unchanged = 0
         self.errors: list[sacct.RowError] = []
         self.files_loaded = 0
-        self.files_rejected: list[str] = []
+        self.files_rejected: list[str] = []  # "path: kind: reason", each renamed *.rejected
+        self.rejected_kinds: Counter[str] = Counter()
+        self.files_waiting = 0  # their job is not in the accounting yet: left for the next run
+        self.files_duplicate = 0  # already stored: removed
+        self.files_unreadable: list[str] = []  # this account may not read them: left, a set-up problem
+        self.files_kept: list[str] = []  # loaded, but this account may not remove them
 
     def summary(self) -> str:
         text = (f"{self.inserted} jobs inserted, {self.updated} updated, {self.unchanged} unchanged, "
                 f"{len(self.errors)} rows rejected")
-        if self.files_loaded or self.files_rejected:
+        if self.files_loaded or self.files_rejected or self.files_waiting or self.files_duplicate \
+                or self.files_unreadable:
             text += f"; {self.files_loaded} spool records loaded, {len(self.files_rejected)} rejected"
+            if self.rejected_kinds:
+                text += " (" + ", ".join(f"{n} {k}" for k, n in sorted(self.rejected_kinds.items())) + ")"
+            if self.files_duplicate:
+                text += f", {self.files_duplicate} duplicates removed"
+            if self.files_waiting:
+                text += f", {self.files_waiting} waiting for their job in sacct"
+            if self.files_unreadable:
+                text += f", {len(self.files_unreadable)} unreadable by this account"
         return text
 
 
@@ -187,91 +207,451 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
     return report
 
 
-# --- submission records -------------------------------------------------------------------
+# --- spools: files any user may have written --------------------------------------------------
+#
+# The submission spool is world-writable (sticky, setgid): every file in it is hostile until shown
+# otherwise. A file is opened only if it is a small regular file with one link (never a FIFO, a
+# device or a symlink, never blocking), its content is checked field by field, and it is linked to
+# a job only if the file's owner is the job's user in the accounting (or is root, or the account
+# running this ingest, who may write the database directly anyway). Each file ends one of four
+# ways: loaded (then removed), a duplicate of a stored record (removed), waiting for its job to
+# appear in sacct (left), or set aside as FILE.rejected with a reason. One bad file never keeps
+# the others out: rows are stored in batches, and a batch the database refuses is retried one
+# record per transaction.
 
-_SUBMISSION_KEYS = {"version", "record_id", "submitted_at", "cluster", "job_id", "script_sha256", "sbatch_exit",
-                    "features", "original_request", "decision", "changed"}
+MAX_RECORD_BYTES = 1 << 20
+JOB_WAIT = timedelta(hours=24)  # a record whose job sacct never showed is set aside after this
+BATCH_FILES = 256
+BATCH_BYTES = 16 << 20
+_JOB_ID = re.compile(r"\d{1,10}(?:[_+]\d{1,10})?")  # as sbatch prints it
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_DEPTH = 32
 
 
-def _owner(st: os.stat_result) -> str:
+class SetAside(ValueError):
+    """A spool file that will not be loaded: it is renamed ``*.rejected`` and reported with ``kind``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Unreadable(Exception):
+    """The ingest's account may not read the file: a set-up problem, so the file stays for a later run."""
+
+
+class SpoolFile(NamedTuple):
+    path: str
+    uid: int
+    mtime: float
+    data: bytes
+
+
+def shown(path: str) -> str:
+    """A path safe to print in a log or a terminal (a user chose the name)."""
+    return path if path.isprintable() else ascii(path)
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def open_spool_file(path: str, max_bytes: int = MAX_RECORD_BYTES) -> SpoolFile | None:
+    """Read a spool file if it is a regular file with one link and at most ``max_bytes``; never blocks,
+    never follows a link. None when it vanished meanwhile; SetAside for anything else it is."""
     try:
-        return pwd.getpwuid(st.st_uid).pw_name
+        kind = _kind_of(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if kind != "regular file":
+        raise SetAside("not a regular file", f"a {kind}, not a regular file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise _Unreadable() from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SetAside("not a regular file", "a symbolic link, not a regular file") from None
+        raise SetAside("unreadable", f"cannot open: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between lstat and open
+            raise SetAside("not a regular file", f"a {_kind_of(st.st_mode)}, not a regular file")
+        if st.st_nlink != 1:
+            raise SetAside("hard link", f"{st.st_nlink} hard links (a record has exactly one)")
+        if st.st_size > max_bytes:
+            raise SetAside("oversize", f"{st.st_size} bytes, over the {max_bytes}-byte limit")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise SetAside("oversize", f"over the {max_bytes}-byte limit")
+    except OSError as exc:
+        raise SetAside("unreadable", f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    return SpoolFile(path, st.st_uid, st.st_mtime, b"".join(chunks))
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return str(st.st_uid)
+        return str(uid)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def _check_json(value: Any, where: str, depth: int = 0) -> None:
+    """Nested JSON a database stores as it is: bounded depth, strings without NUL or lone surrogates,
+    integers within 64 bits."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH}")
+    if isinstance(value, str):
+        if "\0" in value:
+            raise ValueError(f"{where}: NUL character in a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: invalid UTF-8 (lone surrogate) in a string") from None
+    elif isinstance(value, bool) or value is None or isinstance(value, float):
+        return
+    elif isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{where}: integer out of 64-bit range")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json(key, where, depth + 1)
+            _check_json(item, f"{where}.{key}"[:80], depth + 1)
+
+
+def _field(data: dict[str, Any], key: str, types: tuple[type, ...], nullable: bool = False,
+           pattern: re.Pattern[str] | None = None) -> Any:
+    if key not in data:
+        raise ValueError(f"{key}: missing")
+    value = data[key]
+    if value is None and nullable:
+        return None
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if ok and pattern is not None and not pattern.fullmatch(value):
+        ok = False
+    if not ok:
+        names = " or ".join({"str": "string", "dict": "object", "int": "integer", "bool": "true/false"}[t.__name__]
+                            for t in types) + (" or null" if nullable else "")
+        what = f"{names} matching {pattern.pattern}" if pattern else names
+        raise ValueError(f"{key}: expected {what}, got {json.dumps(value)[:60]}")
+    return value
+
+
+def parse_submission(f: SpoolFile) -> dict[str, Any]:
+    """A submission record's row, every field checked; the user is the file's owner."""
+    try:
+        data = json.loads(f.data, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"not JSON: {str(exc)[:120]}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    if data.get("version") != RECORD_VERSION or isinstance(data.get("version"), bool):
+        raise ValueError(f"version: expected {RECORD_VERSION}, got {json.dumps(data.get('version'))[:20]}")
+    _check_json(data, "record")
+    submitted = _field(data, "submitted_at", (str,))
+    try:
+        when = datetime.fromisoformat(submitted)
+    except ValueError:
+        raise ValueError(f"submitted_at: expected an ISO-8601 time, got {json.dumps(submitted)[:60]}") from None
+    if when.tzinfo is None:
+        raise ValueError("submitted_at: expected a time with its UTC offset")
+    when = when.astimezone(UTC).replace(tzinfo=None)
+    if not 1970 <= when.year <= 2999:
+        raise ValueError(f"submitted_at: year {when.year} out of range")
+    exit_code = _field(data, "sbatch_exit", (int,), nullable=True)
+    if exit_code is not None and not -(2**31) < exit_code < 2**31:
+        raise ValueError("sbatch_exit: out of range")
+    return {
+        "record_id": _field(data, "record_id", (str,), pattern=_RECORD_ID),
+        "cluster": _field(data, "cluster", (str,), nullable=True, pattern=_NAME) or "default",
+        "job_id": _field(data, "job_id", (str,), nullable=True, pattern=_JOB_ID),
+        "user": _owner(f.uid),
+        "submitted_at": when,
+        "script_sha256": _field(data, "script_sha256", (str,), nullable=True, pattern=_SHA256),
+        "sbatch_exit": exit_code,
+        "features": _field(data, "features", (dict,)),
+        "original_request": _field(data, "original_request", (dict,), nullable=True),
+        "decision": _field(data, "decision", (dict,), nullable=True),
+        "changed": _field(data, "changed", (bool,)),
+    }
 
 
 def read_submission(path: str) -> dict[str, Any]:
     """Validate one spool file; the user comes from the file's owner."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        data = json.loads(fh.read(1 << 20))
-    if not isinstance(data, dict) or data.get("version") != RECORD_VERSION:
-        raise ValueError("not a version-1 submission record")
-    missing = _SUBMISSION_KEYS - data.keys()
-    if missing:
-        raise ValueError(f"missing {', '.join(sorted(missing))}")
-    return {
-        "record_id": str(data["record_id"])[:64],
-        "cluster": str(data["cluster"] or "default")[:64],
-        "job_id": str(data["job_id"])[:64] if data["job_id"] is not None else None,
-        "user": _owner(st),
-        "submitted_at": datetime.fromisoformat(data["submitted_at"]).astimezone(UTC).replace(tzinfo=None),
-        "script_sha256": data["script_sha256"],
-        "sbatch_exit": data["sbatch_exit"],
-        "features": data["features"],
-        "original_request": data["original_request"],
-        "decision": data["decision"],
-        "changed": bool(data["changed"]),
-    }
+    f = open_spool_file(path)
+    if f is None:
+        raise FileNotFoundError(errno.ENOENT, "no such file", path)
+    return parse_submission(f)
 
 
-def drain_spool(engine: Engine, directory: str, wanted: Callable[[str], bool],
-                read: Callable[[str], dict[str, Any]], store: Callable[[Connection, list[dict[str, Any]]], None],
-                report: Report) -> Report:
-    """Read every finished record in a spool, store them in one transaction, then remove them;
-    a record that cannot be read is renamed ``*.rejected`` and reported."""
-    if not os.path.isdir(directory):
-        return report
-    rows, paths = [], []
-    for name in sorted(n for n in os.listdir(directory) if wanted(n)):
-        path = os.path.join(directory, name)
-        try:
-            rows.append(read(path))
-            paths.append(path)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            report.files_rejected.append(str(exc) if str(exc).startswith(path) else f"{path}: {exc}")
-            os.replace(path, path + ".rejected")
-    if rows:
-        with engine.begin() as conn:
-            store(conn, rows)
-        report.files_loaded += len(rows)
-        for path in paths:
-            os.unlink(path)
-    return report
+# what happens to one file, besides being set aside (a verdict's action is then the SetAside kind)
+STORE, WAIT, DUPLICATE = "+store", "+wait", "+duplicate"
+
+
+class _Verdict(NamedTuple):
+    action: str  # STORE, WAIT, DUPLICATE, or a SetAside kind
+    reason: str = ""
+
+
+class _SpoolKind(NamedTuple):
+    """What differs between the two spools."""
+
+    wanted: Callable[[str], bool]
+    parse: Callable[[SpoolFile], dict[str, Any]]
+    admit: Callable[[Connection, list[tuple[SpoolFile, dict[str, Any]]], Collection[int], datetime],
+                    list[_Verdict]]
+    store: Callable[[Connection, list[dict[str, Any]]], None]
+
+
+def _job_users(conn: Connection, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], set[str | None]]:
+    """The users of the jobs each (cluster, id) names: the job itself, or the array or hetjob it is the
+    id of, or the job whose raw id it is (a prolog's collector may only know that)."""
+    out: dict[tuple[str, str], set[str | None]] = {}
+    by_cluster: dict[str, set[str]] = {}
+    for cluster, job_id in keys:
+        by_cluster.setdefault(cluster, set()).add(job_id)
+    for cluster, ids in by_cluster.items():
+        ordered = sorted(ids)
+        for start in range(0, len(ordered), 200):  # 4 x 200 binds: under every backend's limit
+            part = ordered[start:start + 200]
+            numbers = {int(i): i for i in part if i.isdigit() and len(i) <= 18}
+            cond: ColumnElement[bool] = JOBS.c.job_id.in_(part)
+            if numbers:
+                cond = or_(cond, JOBS.c.job_id_raw.in_(list(numbers)), JOBS.c.array_job_id.in_(list(numbers)),
+                           JOBS.c.het_job_id.in_(list(numbers)))
+            rows = conn.execute(select(JOBS.c.job_id, JOBS.c.job_id_raw, JOBS.c.array_job_id, JOBS.c.het_job_id,
+                                       JOBS.c.user).where(JOBS.c.cluster == cluster, cond))
+            for r in rows:
+                names = {r.job_id} | {numbers[n] for n in (r.job_id_raw, r.array_job_id, r.het_job_id) if n in numbers}
+                for name in names & set(part):
+                    out.setdefault((cluster, name), set()).add(r.user)
+    return out
+
+
+def _linked(f: SpoolFile, cluster: str, job_id: str | None, users: dict[tuple[str, str], set[str | None]],
+            trusted: Collection[int], now: datetime, what: str) -> _Verdict:
+    """Whether a record may be attached to its job: the file's owner must be the job's user."""
+    if f.uid in trusted or job_id is None:
+        return _Verdict(STORE)
+    owners = users.get((cluster, job_id))
+    if not owners:
+        age = now - datetime.fromtimestamp(f.mtime, UTC).replace(tzinfo=None)
+        if age > JOB_WAIT:
+            return _Verdict("job unknown", f"job {cluster}/{job_id} not in the accounting after "
+                                           f"{JOB_WAIT.total_seconds() / 3600:.0f} h")
+        return _Verdict(WAIT)
+    me = _owner(f.uid)
+    if owners != {me}:
+        theirs = ", ".join(sorted(str(u) for u in owners))
+        return _Verdict("forged", f"{what} for job {cluster}/{job_id} of user {theirs}, "
+                                  f"but the file belongs to {me}")
+    return _Verdict(STORE)
+
+
+_SUBMISSION_COLUMNS = ("record_id", "cluster", "job_id", "user", "submitted_at", "script_sha256", "sbatch_exit",
+                       "features", "original_request", "decision", "changed")
+
+
+def _stored_submissions(conn: Connection, ids: list[str]) -> dict[str, dict[str, Any]]:
+    table = cast(Table, Submission.__table__)
+    out: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(ids), 500):
+        rows = conn.execute(select(*(table.c[c] for c in _SUBMISSION_COLUMNS))
+                            .where(table.c.record_id.in_(ids[start:start + 500])))
+        out.update({r["record_id"]: dict(r) for r in rows.mappings()})
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a[c] == b[c] for c in _SUBMISSION_COLUMNS)
+
+
+def _admit_submissions(conn: Connection, items: list[tuple[SpoolFile, dict[str, Any]]], trusted: Collection[int],
+                       now: datetime) -> list[_Verdict]:
+    users = _job_users(conn, {(r["cluster"], r["job_id"]) for _, r in items if r["job_id"] is not None})
+    stored = _stored_submissions(conn, sorted({r["record_id"] for _, r in items}))
+    verdicts = []
+    for f, row in items:
+        verdict = _linked(f, row["cluster"], row["job_id"], users, trusted, now, "a submission record")
+        old = stored.get(row["record_id"])
+        if verdict.action == STORE and old is not None:
+            verdict = (_Verdict(DUPLICATE) if _same(old, row) else
+                       _Verdict("duplicate record_id", f"record_id {row['record_id']} already stored with other "
+                                                         "content"))
+        if verdict.action == STORE:
+            stored[row["record_id"]] = row  # a second file with this id in the batch is a duplicate of this one
+        verdicts.append(verdict)
+    return verdicts
 
 
 def _store_submissions(conn: Connection, rows: list[dict[str, Any]]) -> None:
-    known = set(conn.execute(select(Submission.record_id).where(
-        Submission.record_id.in_([r["record_id"] for r in rows]))).scalars())
-    new = [r for r in rows if r["record_id"] not in known]
-    if new:
-        conn.execute(cast(Table, Submission.__table__).insert(), new)
+    conn.execute(cast(Table, Submission.__table__).insert(), rows)
 
 
-def load_submissions(engine: Engine, directory: str, report: Report | None = None) -> Report:
+SUBMISSIONS = _SpoolKind(lambda n: n.startswith("sub-") and n.endswith(".json"), parse_submission,
+                         _admit_submissions, _store_submissions)
+
+
+def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
+           trusted: Collection[int] | None = None) -> Report:
+    """Load every finished record of a spool, a batch at a time; see the comment above."""
+    trusted = {0, os.geteuid()} if trusted is None else trusted
+    try:
+        names = sorted(n for n in os.listdir(directory) if kind.wanted(n))
+    except FileNotFoundError:
+        return report
+    except OSError as exc:
+        report.files_unreadable.append(f"{shown(directory)}: cannot list: {exc.strerror}")
+        return report
+    batch: list[SpoolFile] = []
+    size = 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            f = open_spool_file(path)
+        except SetAside as exc:
+            _set_aside(path, exc.kind, str(exc), report)
+            continue
+        except _Unreadable:
+            report.files_unreadable.append(shown(path))
+            continue
+        if f is None:
+            continue
+        batch.append(f)
+        size += len(f.data)
+        if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
+            _load_batch(engine, batch, kind, report, trusted)
+            batch, size = [], 0
+    if batch:
+        _load_batch(engine, batch, kind, report, trusted)
+    return report
+
+
+def _set_aside(path: str, kind: str, reason: str, report: Report) -> None:
+    try:
+        os.replace(path, path + ".rejected")
+    except OSError as exc:
+        reason += f" (could not be renamed: {exc.strerror})"
+    report.files_rejected.append(f"{shown(path)}: {kind}: {reason}")
+    report.rejected_kinds[kind] += 1
+
+
+def _remove(path: str, report: Report) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        report.files_kept.append(f"{shown(path)}: loaded but not removed: {exc.strerror}")
+
+
+def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report: Report,
+                trusted: Collection[int]) -> None:
+    parsed: list[tuple[SpoolFile, dict[str, Any]]] = []
+    for f in files:
+        try:
+            parsed.append((f, kind.parse(f)))
+        except (ValueError, TypeError, KeyError) as exc:
+            _set_aside(f.path, "malformed", str(exc).removeprefix(f"{f.path}: "), report)
+    if not parsed:
+        return
+    with engine.connect() as conn:
+        verdicts = kind.admit(conn, parsed, trusted, utcnow())
+    chosen: list[tuple[SpoolFile, dict[str, Any]]] = []
+    for (f, row), verdict in zip(parsed, verdicts, strict=True):
+        if verdict.action == STORE:
+            chosen.append((f, row))
+        elif verdict.action == WAIT:
+            report.files_waiting += 1
+        elif verdict.action == DUPLICATE:
+            report.files_duplicate += 1
+            _remove(f.path, report)
+        else:
+            _set_aside(f.path, verdict.action, verdict.reason, report)
+    if not chosen:
+        return
+    try:
+        with engine.begin() as conn:
+            kind.store(conn, [row for _, row in chosen])
+        stored = chosen
+    except (DBAPIError, UnicodeError, ValueError, TypeError) as exc:
+        if _connection_problem(exc):
+            raise
+        stored = []
+        for f, row in chosen:  # the database refused the batch: one transaction per record finds which
+            try:
+                with engine.begin() as conn:
+                    kind.store(conn, [row])
+                stored.append((f, row))
+            except IntegrityError:
+                report.files_duplicate += 1  # a concurrent ingest stored it first
+                _remove(f.path, report)
+            except (DBAPIError, UnicodeError, ValueError, TypeError) as one:
+                if _connection_problem(one):
+                    raise
+                first = str(getattr(one, "orig", one)).strip().splitlines() or [type(one).__name__]
+                _set_aside(f.path, "refused by the database", first[0][:200], report)
+    report.files_loaded += len(stored)
+    for f, _ in stored:
+        _remove(f.path, report)
+
+
+def _connection_problem(exc: BaseException) -> bool:
+    """A lost or locked database is everyone's problem, not one record's: it ends the run."""
+    return isinstance(exc, DBAPIError) and (exc.connection_invalidated
+                                            or isinstance(exc, OperationalError | InterfaceError))
+
+
+def drain_spool(engine: Engine, directory: str, kind: _SpoolKind, report: Report | None = None,
+                trusted: Collection[int] | None = None) -> Report:
+    """Load one spool; ``trusted`` uids (default: root and this process's) may attach records to any job."""
+    return _drain(engine, directory, kind, report or Report(), trusted)
+
+
+def load_submissions(engine: Engine, directory: str, report: Report | None = None,
+                     trusted: Collection[int] | None = None) -> Report:
     """Load gsbatch's submission records (once each, by record id)."""
-    return drain_spool(engine, directory, lambda n: n.startswith("sub-") and n.endswith(".json"),
-                       read_submission, _store_submissions, report or Report())
+    return _drain(engine, directory, SUBMISSIONS, report or Report(), trusted)
 
 
 # --- GPU collector records ------------------------------------------------------------------
 
 
-def _gpu_row(path: str) -> dict[str, Any]:
-    from slurmgpu.collector.records import read_record
+def _gpu_row(f: SpoolFile) -> dict[str, Any]:
+    from slurmgpu.collector.records import parse_record
 
-    rec = read_record(path)
+    rec = parse_record(f.data, f.path)
     return {
         "cluster": rec.cluster, "job_id": rec.job_id, "hostname": rec.hostname, "source": rec.source,
         "gpus": len(rec.gpus), "peak_mem_mib": rec.peak_gpu_mem_mib,
@@ -283,10 +663,43 @@ def _gpu_row(path: str) -> dict[str, Any]:
     }
 
 
-def load_gpu_records(engine: Engine, directory: str, report: Report | None = None) -> Report:
-    """Load slurmgpu-monitor's per-job records (a host's record for a job replaces its older one)."""
-    def store(conn: Connection, rows: list[dict[str, Any]]) -> None:
-        upsert(conn, GpuUsage.__table__, rows, ("cluster", "job_id", "hostname", "source"))  # type: ignore[arg-type]
+_USAGE_KEY = ("cluster", "job_id", "hostname", "source")
 
-    return drain_spool(engine, directory, lambda n: n.endswith(".json") and not n.startswith("."), _gpu_row,
-                       store, report or Report())
+
+def _admit_gpu(conn: Connection, items: list[tuple[SpoolFile, dict[str, Any]]], trusted: Collection[int],
+               now: datetime) -> list[_Verdict]:
+    """Root's collector records are taken as they are (a newer one for a job and host replaces the
+    older); a user's own record only for a job of theirs, and never over one already stored."""
+    users = _job_users(conn, {(r["cluster"], r["job_id"]) for f, r in items if f.uid not in trusted})
+    table = cast(Table, GpuUsage.__table__)
+    untrusted = [r for f, r in items if f.uid not in trusted]
+    existing: set[tuple[str, ...]] = set()
+    for r in untrusted:
+        if conn.execute(select(table.c.id).where(*(table.c[k] == r[k] for k in _USAGE_KEY))).first():
+            existing.add(tuple(r[k] for k in _USAGE_KEY))
+    seen: set[tuple[str, ...]] = set()
+    verdicts = []
+    for f, row in items:
+        key = tuple(row[k] for k in _USAGE_KEY)
+        verdict = _linked(f, row["cluster"], row["job_id"], users, trusted, now, "a GPU record")
+        if verdict.action == STORE and key in seen:
+            verdict = _Verdict("duplicate GPU record", "another file in this run holds the record of this job and host")
+        elif verdict.action == STORE and f.uid not in trusted and key in existing:
+            verdict = _Verdict("duplicate GPU record", "a record of this job and host is already stored")
+        if verdict.action == STORE:
+            seen.add(key)
+        verdicts.append(verdict)
+    return verdicts
+
+
+def _store_gpu(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    upsert(conn, cast(Table, GpuUsage.__table__), rows, _USAGE_KEY)
+
+
+GPU_RECORDS = _SpoolKind(lambda n: n.endswith(".json") and not n.startswith("."), _gpu_row, _admit_gpu, _store_gpu)
+
+
+def load_gpu_records(engine: Engine, directory: str, report: Report | None = None,
+                     trusted: Collection[int] | None = None) -> Report:
+    """Load slurmgpu-monitor's per-job records (a host's record for a job replaces its older one)."""
+    return _drain(engine, directory, GPU_RECORDS, report or Report(), trusted)
