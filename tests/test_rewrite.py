@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurmgpu.pipeline.policy import KEEP, ComponentChange, Decision
 from slurmgpu.pipeline.request import GPU_OPTIONS, build_request
-from slurmgpu.pipeline.rewrite import apply, sbatch_quote
+from slurmgpu.pipeline.rewrite import RewriteError, apply, sbatch_quote
 from slurmgpu.pipeline.script import parse_script, tokenize
 
 GPU_OR_PARTITION = set(GPU_OPTIONS) | {"partition"}
@@ -151,3 +152,120 @@ def test_rules_decider_leaves_what_a_rewrite_cannot_say_and_says_so() -> None:
         assert not any(c.gpu_type for c in d.changes) and any(why in r for r in d.reasons), (body, d.reasons)
     moved = _rules_decision("#SBATCH --gres=gpu:a100:1\n#SBATCH hetjob\n#SBATCH -n 1\n", ["-p", "gpu-small"])
     assert not moved.changes and any("--partition is set on the command line" in r for r in moved.reasons)
+
+
+# Scripts at the edges of what sbatch accepts: no final newline (the last line a directive, a
+# command, or the shebang alone), no directives at all (the GPU asked on the command line), a
+# carriage return inside a line (sbatch refuses only "\r\n"), bytes that are not UTF-8.
+edge_free_line = st.sampled_from(["", "#", "# a\rb", "# caf\udce9", "# {{ x }} {% raw %}", "# SBATCH -p nope",
+                                  "#sbatch -p nope"])
+edge_body_line = st.sampled_from(["srun x", "", "true\r# cr inside", "echo caf\udce9", "exit 0", "#SBATCH -p late"])
+CLI_GPUS = [["--gres=gpu:2"], ["-G", "a100:2"], ["--gpus-per-node=v100:1"], ["--gpus", "4"]]
+
+
+@st.composite
+def edge_scripts(draw: st.DrawFn) -> tuple[bytes, list[str]]:
+    lines = ["#!/bin/bash" + draw(st.sampled_from(["", " -l"]))]
+    opts = draw(st.lists(st.one_of(other_directive, partition_directive), max_size=3))
+    cli: list[str] = []
+    if draw(st.booleans()):
+        opts.append(draw(gpu_directive))
+    else:
+        cli = draw(st.sampled_from(CLI_GPUS))
+    for opt in draw(st.permutations(opts)):
+        if draw(st.booleans()):
+            lines.append(draw(edge_free_line))
+        lines.append("#SBATCH " + opt + draw(st.sampled_from(["", "  # trailing", "\t"])))
+    lines += draw(st.lists(edge_body_line, max_size=3))
+    text = "\n".join(lines) + draw(st.sampled_from(["\n", ""]))
+    return text.encode("utf-8", "surrogateescape"), cli
+
+
+def assert_only_changed_lines_differ(data: bytes, new: bytes, touched: dict[int, tuple[int, int]]) -> None:
+    """``new`` is ``data`` with whole lines inserted (provenance, new directives) and, inside each
+    touched line (number -> the span of its rewritten words), only that span replaced; every other
+    byte, the final newline or its absence included, is the same."""
+    import difflib
+
+    assert new.endswith(b"\n") == data.endswith(b"\n")
+    old_lines, new_lines = data.split(b"\n"), new.split(b"\n")
+    added = (b"# slurmgpu: ", b"#SBATCH --")
+    ops = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
+    for op, i1, i2, j1, j2 in ops:
+        if op == "equal":
+            continue
+        assert op in ("insert", "replace"), (op, old_lines[i1:i2])
+        block = new_lines[j1:j2]
+        assert all(line.startswith(added) or line.startswith(b"#SBATCH") for line in block), block
+        for number in range(i1 + 1, i2 + 1):
+            assert number in touched, f"line {number} changed but holds no rewritten option: {old_lines[number - 1]!r}"
+            line, (ws, we) = old_lines[number - 1], touched[number]
+            assert any(n.startswith(line[:ws]) and n.endswith(line[we:]) for n in block), (line, block)
+
+
+def _touched_spans(request) -> dict[int, tuple[int, int]]:
+    """Line number -> byte span, within the line, of the GPU and partition words on it."""
+    script = request.script
+    spans: dict[int, tuple[int, int]] = {}
+    for d in script.directives:
+        if d.name in GPU_OR_PARTITION:
+            begin = script.line_starts[d.line - 1]
+            ws = len(script.text[begin:d.start].encode("utf-8", "surrogateescape"))
+            we = len(script.text[begin:d.end].encode("utf-8", "surrogateescape"))
+            lo, hi = spans.get(d.line, (ws, we))
+            spans[d.line] = (min(lo, ws), max(hi, we))
+    return spans
+
+
+@settings(max_examples=400, deadline=None)
+@given(edge_scripts(), st.sampled_from(["a100", "v100", "t4", None]), st.sampled_from([2, 4, None]),
+       st.sampled_from(["gpu", "gpu-small", None]))
+def test_rewrite_is_byte_faithful_at_the_edges(case: tuple[bytes, list[str]], gtype, total, partition) -> None:
+    data, cli = case
+    if gtype is None and total is None and partition is None:
+        return
+    request = build_request(parse_script(data, "job.sh"), cli)
+    decision = Decision((ComponentChange(0, gtype, total, partition),), ("because",), decider="test")
+    sub = apply(request, decision)
+    new = sub.script_text.encode("utf-8", "surrogateescape")
+    assert_only_changed_lines_differ(data, new, _touched_spans(request))
+    after = build_request(parse_script(new, "job.sh"), sub.cli_words, sub.env_overrides)  # sbatch-acceptable
+    assert new.split(b"\n")[0] == data.split(b"\n")[0]  # the shebang line is never touched
+    if gtype is not None:
+        assert after.gpu_type == gtype
+    if total is not None:
+        assert after.gpus_total == total
+    if partition is not None:
+        assert after.main.partition == partition
+
+
+PROVENANCE = (b"# slurmgpu: GPU request rewritten by the rules decider\n"
+              b"# slurmgpu: was: --gres=gpu:t4:1 in partition (default)\n"
+              b"# slurmgpu: now: 1 x t4 GPU in partition gpu-small\n"
+              b"# slurmgpu: why: r\n")
+
+
+@pytest.mark.parametrize(("data", "cli", "expect"), [
+    # The probe's script: its last line a directive, no final newline; the new directive follows it.
+    (b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1", [],
+     b"#!/bin/bash\n" + PROVENANCE + b"#SBATCH --gres=gpu:t4:1\n#SBATCH --partition=gpu-small"),
+    # The shebang alone, no newline: it was '#!/bin/bash# slurmgpu: ...' (bad interpreter).
+    (b"#!/bin/bash", ["--gres=gpu:t4:1"], b"#!/bin/bash\n" + PROVENANCE + b"#SBATCH --partition=gpu-small"),
+    (b"#!/bin/bash\n", ["--gres=gpu:t4:1"], b"#!/bin/bash\n" + PROVENANCE + b"#SBATCH --partition=gpu-small\n"),
+    (b"#!/bin/bash\nsrun x", ["--gres=gpu:t4:1"],
+     b"#!/bin/bash\n" + PROVENANCE + b"#SBATCH --partition=gpu-small\nsrun x"),
+    # A lone carriage return inside a line is sbatch's whitespace: kept as it is.
+    (b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1\r# x\nsrun x\r", [],
+     b"#!/bin/bash\n" + PROVENANCE + b"#SBATCH --gres=gpu:t4:1\r# x\n#SBATCH --partition=gpu-small\nsrun x\r"),
+])
+def test_no_final_newline_or_directives(data: bytes, cli: list[str], expect: bytes) -> None:
+    request = build_request(parse_script(data, "job.sh"), cli)
+    decision = Decision((ComponentChange(0, None, None, "gpu-small"),), ("r",), decider="rules")
+    assert apply(request, decision).script_text.encode("utf-8", "surrogateescape") == expect
+
+
+def test_a_line_after_a_final_carriage_return_is_not_written() -> None:
+    """'\\r' then a new line would be the DOS line break sbatch refuses: the job goes as written."""
+    request = build_request(parse_script(b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1\r", "job.sh"))
+    with pytest.raises(RewriteError, match="carriage return"):
+        apply(request, Decision((ComponentChange(0, None, None, "gpu-small"),), ("r",)))

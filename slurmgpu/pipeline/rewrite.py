@@ -122,6 +122,8 @@ def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, 
             return
         # Not set anywhere: a new directive after the component's last one (or the shebang).
         lines = [d.line for d in req.script.component_directives(comp.index)]
+        if not lines and comp.index > 0:  # after the shebang it would be the first component's
+            raise RewriteError(f"component {comp.index} has no directive line to add --{name} after; not rewritten")
         at = req.script.line_end(max(lines) if lines else 1)
         edits.script.append((at, at, m.directive(name, value) + "\n"))
     elif origin.source == "script":
@@ -160,10 +162,7 @@ def apply(req: JobRequest, decision: Decision) -> Submission:
     if req.script is not None and original is not None:
         edits.script.append((req.script.line_end(1), req.script.line_end(1),
                              _macros().provenance("; ".join(was), "; ".join(now), decision.reasons, decision.decider)))
-        script_text = original
-        for start, end, new in sorted(edits.script, key=lambda e: (e[0], e[1]), reverse=True):
-            script_text = script_text[:start] + new + script_text[end:]
-        text = script_text
+        text = splice(original, edits.script)
     words = list(edits.cli_prepend)
     i = 0
     while i < len(req.cli_words):
@@ -175,6 +174,25 @@ def apply(req: JobRequest, decision: Decision) -> Submission:
         words.append(req.cli_words[i])
         i += 1
     return Submission(text, words, edits.env, changed=True)
+
+
+def splice(text: str, edits: list[tuple[int, int, str]]) -> str:
+    """Apply (start, end, new) edits to ``text``; every byte outside the edited spans stays.
+
+    New lines are written newline-terminated, to go at a line's start. At the end of a text whose
+    last line has no newline (sbatch reads such a line all the same) they would be glued onto it
+    (``#!/bin/bash# slurmgpu: ...``), so there the newline moves to the front: the last line ends
+    where it did, and the text still ends without one. Of several edits at one point, the one
+    listed last comes first.
+    """
+    open_end, cr_end = (len(text) if not text.endswith("\n") else -1), text.endswith("\r")
+    for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        if start == open_end and new.endswith("\n"):
+            if cr_end:  # the newline would make a DOS line break, which sbatch refuses
+                raise RewriteError("the script ends in a carriage return without a newline; not rewritten")
+            new = "\n" + new[:-1]
+        text = text[:start] + new + text[end:]
+    return text
 
 
 def _describe_after(comp: ComponentRequest, change: ComponentChange) -> str:
