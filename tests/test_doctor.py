@@ -3,6 +3,7 @@ socket served by a thread), the command's wiring, and one run against the real l
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import shutil
@@ -164,6 +165,31 @@ def test_daemon_check(sock_dir: str) -> None:
     # The server is gone, its socket file is not: a daemon that died.
     check = doctor.check_daemon(path)
     assert check.status == FAIL and "not running" in check.advice
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_daemon_permission_advice_names_the_group_never_0666(sock_dir: str) -> None:
+    path = os.path.join(sock_dir, "p.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        os.chmod(path, 0o660)  # as slurmgpu serve leaves it: owner and group only
+        os.chmod(sock_dir, 0o755)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # an ordinary user outside the socket's group
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            check = doctor.check_daemon(path)
+            os.write(write, json.dumps(check._asdict()).encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as fh:
+            check = json.loads(fh.read())
+    group = grp.getgrgid(os.stat(path).st_gid).gr_name
+    assert check["status"] == FAIL and check["detail"] == f"{path}: permission denied"
+    assert f"to group {group}" in check["advice"] and "never 0666" in check["advice"]
 
 
 SCONTROL = "Configuration data as of 2026-06-01T12:00:00\nJobSubmitPlugins        = {plugins}\n" \

@@ -119,7 +119,7 @@ def check_daemon(path: str, timeout: float = 2.0) -> Check:
             sock.sendall(b'{"op":"health"}\n')
             reply = sock.makefile("rb").readline(65536)
     except PermissionError:
-        return Check("daemon", FAIL, f"{path}: permission denied", "make the socket connectable by all users (0666)")
+        return Check("daemon", FAIL, f"{path}: permission denied", _socket_access_advice(path))
     except TimeoutError:
         return Check("daemon", FAIL, f"{path}: no answer within {timeout:g} s", "restart the slurmgpu daemon")
     except OSError as exc:
@@ -133,6 +133,19 @@ def check_daemon(path: str, timeout: float = 2.0) -> Check:
         shown = reply.decode("utf-8", "replace").strip()[:120] or "nothing"
         return Check("daemon", FAIL, f"unhealthy answer: {shown}", "check the daemon's log and restart it")
     return Check("daemon", OK, f"answering on {path}")
+
+
+def _socket_access_advice(path: str) -> str:
+    """Who may connect is the socket's group (slurmgpu serve --group); it never becomes world-writable."""
+    import grp
+
+    try:
+        gid = os.stat(path).st_gid
+        group = grp.getgrgid(gid).gr_name
+    except (OSError, KeyError):
+        group = "the socket's group"
+    return (f"add the users who run gsbatch to group {group} (or restart `slurmgpu serve --group GROUP` with "
+            "the group the admin names); keep the socket owner/group only (0660), never 0666")
 
 
 def _scontrol_config(text: str) -> dict[str, str]:
