@@ -147,15 +147,24 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
                 data = fh.read()
         except OSError:
             return None  # the in-process path words the error as sbatch does
+    text = data.decode("utf-8", "surrogateescape") if data is not None else None
+    # No user name: the daemon takes it from the kernel (SO_PEERCRED), never from the request.
     reply = call(socket_path, {
         "op": "plan", "config": os.path.realpath(config.path), "script_name": inv.script, "options": list(inv.options),
-        "script": data.decode("utf-8", "surrogateescape") if data is not None else None,
-        "env": {k: v for k, v in env.items() if k.startswith("SBATCH_")},
-        "user": env.get("USER") or env.get("LOGNAME")}, timeout_s)
+        "script": text, "env": {k: v for k, v in env.items() if k.startswith("SBATCH_")}}, timeout_s)
     if not reply:
         return None
     if reply.get("ok") and isinstance(reply.get("plan"), dict):
-        return dict(reply["plan"], stdin=None)
+        from slurmgpu.pipeline.validate import check_plan
+
+        problem = check_plan(reply["plan"], config, text, inv.options)
+        if problem is None:
+            return dict(reply["plan"], stdin=None)
+        from slurmgpu.pipeline.policy import KeepDecider
+
+        _note(sys.stderr, "warning", f"slurmgpu serve's answer not applied ({problem}); request kept as written")
+        kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"))
+        return dict(kept.to_json(), stdin=kept.stdin)
     if isinstance(reply.get("input_error"), str):
         raise InputError(reply["input_error"])
     return None

@@ -38,10 +38,11 @@ _TRES_FIELD = {"gres": "tres_per_node", "gpus-per-node": "tres_per_node", "gpus"
                "gpus-per-task": "tres_per_task", "gpus-per-socket": "tres_per_socket"}
 
 
-def daemon_job(request: JobRequest, user: str | None) -> dict[str, Any]:
-    """The job as slurmctld's job_submit.lua would describe it to the daemon."""
+def daemon_job(request: JobRequest, user: str | None = None) -> dict[str, Any]:
+    """The job as slurmctld's job_submit.lua would describe it to the daemon; no user: the
+    daemon learns it from the kernel (``user`` is kept for callers, and ignored)."""
     comp = request.main
-    job: dict[str, Any] = {"script": request.script.text if request.script else None, "user_name": user,
+    job: dict[str, Any] = {"script": request.script.text if request.script else None,
                            "partition": comp.partition, "account": comp.account, "qos": comp.qos,
                            "num_tasks": comp.ntasks, "ntasks_per_node": comp.ntasks_per_node,
                            "cpus_per_task": comp.cpus_per_task, "sockets_per_node": comp.sockets_per_node,
@@ -59,19 +60,31 @@ class DaemonDecider:
 
     name = "daemon"
 
-    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = 0.5) -> None:
+    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = 0.5,
+                 config: Config | None = None) -> None:
         self.socket_path, self.user, self.fallback, self.timeout_s = socket_path, user, fallback, timeout_s
+        self.config = config  # the answer is checked against it before it is used
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.apps.daemon_client import ask
-        from slurmgpu.pipeline.policy import Candidate, ComponentChange, Decision
+        from slurmgpu.pipeline.policy import Candidate, ComponentChange, Decision, KeepDecider
+        from slurmgpu.pipeline.validate import check_decision
 
-        answer = ask(self.socket_path, daemon_job(request, self.user), self.timeout_s)
+        answer = ask(self.socket_path, daemon_job(request), self.timeout_s)
         if answer is None or request.is_hetjob:
             return self.fallback().decide(request)
-        return Decision(tuple(ComponentChange(**c) for c in answer.get("changes", [])), tuple(answer["reasons"]),
-                        answer.get("refused"), answer.get("decider", "model"),
-                        tuple(Candidate(**c) for c in answer.get("per_type", [])))
+        problem = check_decision(answer, self.config, request.to_json()) if self.config else None
+        if problem is None:
+            try:
+                return Decision(tuple(ComponentChange(**c) for c in answer.get("changes", [])),
+                                tuple(str(r) for r in answer.get("reasons", [])), answer.get("refused"),
+                                str(answer.get("decider", "model")),
+                                tuple(Candidate(**c) for c in answer.get("per_type", [])))
+            except (TypeError, ValueError) as exc:
+                problem = f"malformed: {exc}"
+        print(f"gsbatch: warning: slurmgpu serve's answer not applied ({problem}); request kept as written",
+              file=sys.stderr)
+        return KeepDecider(f"the daemon's answer was not applied ({problem}); request kept").decide(request)
 
 
 def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
@@ -86,7 +99,7 @@ def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str,
     user = env.get("USER") or env.get("LOGNAME")
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
     if os.path.exists(socket_path):
-        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user))
+        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user), config=config)
     return local_decider(config, backend, env, user)
 
 
