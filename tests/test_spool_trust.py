@@ -512,15 +512,17 @@ def test_real_jobs_real_sacct_records_linked_by_owner(accounts: None, tmp_path: 
         for path in [home, *(os.path.join(home, n) for n in os.listdir(home))]:
             os.chown(path, nightly.pw_uid, nightly.pw_gid)
         names = as_user(USER, _real_records, subs, mine, roots)
-        cli_ingest(f"sqlite:///{tmp_path}/warm.db", str(tmp_path), str(tmp_path))  # imports, while root
 
-        def live(url: str) -> dict[str, Any]:
+        def live(url: str, subs: str, gpus: str) -> dict[str, Any]:
             res = CliRunner().invoke(main, ["--config", str(CONFIG), "--db", url, "ingest", "--since",
                                             started.strftime("%Y-%m-%dT%H:%M:%S")],
                                      env={"SLURMGPU_SUBMISSION_SPOOL": subs, "SLURMGPU_GPU_SPOOL": gpus})
-            return {"code": res.exit_code, "stdout": res.stdout, "stderr": res.stderr}
+            return {"code": res.exit_code, "stdout": res.stdout, "stderr": res.stderr,
+                    "exception": repr(res.exception) if not isinstance(res.exception, SystemExit) else None}
 
-        res = as_user(NIGHTLY, live, url)
+        db.upgrade(f"sqlite:///{tmp_path}/warm.db")
+        live(f"sqlite:///{tmp_path}/warm.db", str(tmp_path), str(tmp_path))  # imports, while root
+        res = as_user(NIGHTLY, live, url, subs, gpus)
         assert "1 spool records loaded, 1 rejected (1 forged)" in res["stdout"], res
         assert f"{names['forged']}: forged: a submission record for job {CLUSTER}/{roots} of user root, but the " \
                f"file belongs to {USER}" in res["stderr"]
