@@ -17,15 +17,18 @@ from typing import Any
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "python3", "python", "srun")
 # Parameter counts (billions) of model names users commonly pass; a family never seen before
 # still gets a size estimate from its name.
+# Sizes from the models' papers and model cards (torchvision's ResNet/ViT tables, BERT, GPT-2, T5).
+# Names are matched longest first, so resnet152 is not read as resnet15... and gpt2-xl not as gpt2.
 MODEL_SIZES_B = {
-    "resnet18": 0.0117, "resnet50": 0.0256, "resnet101": 0.0445, "vit-base": 0.086, "vit-large": 0.307,
-    "vit_b": 0.086, "vit_l": 0.307, "vit_h": 0.632,
-    "bert-base": 0.110, "bert-large": 0.340, "roberta-base": 0.125, "roberta-large": 0.355, "gpt2": 0.124,
-    "t5-base": 0.220, "t5-large": 0.770, "llama-2-7b": 6.7, "llama-2-13b": 13.0, "llama-7b": 6.7,
-    "llama-13b": 13.0, "mistral-7b": 7.2, "llama-3-8b": 8.0, "stable-diffusion": 0.86, "sd-unet": 0.86,
-    "dlrm": 0.54, "unet": 0.03,
+    "resnet18": 0.0117, "resnet34": 0.0218, "resnet50": 0.0256, "resnet101": 0.0445, "resnet152": 0.0602,
+    "vit-base": 0.086, "vit-large": 0.307, "vit-huge": 0.632, "vit_b": 0.086, "vit_l": 0.307, "vit_h": 0.632,
+    "bert-base": 0.110, "bert-large": 0.340, "roberta-base": 0.125, "roberta-large": 0.355,
+    "gpt2-medium": 0.355, "gpt2-large": 0.774, "gpt2-xl": 1.558, "gpt2": 0.124,
+    "t5-small": 0.060, "t5-base": 0.220, "t5-large": 0.770, "t5-3b": 2.85, "t5-11b": 11.0,
+    "stable-diffusion": 0.86, "sd-unet": 0.86, "dlrm": 0.54, "unet": 0.03,
 }
-_SIZE_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)\s*([bm])\b", re.IGNORECASE)
+_BY_LENGTH = sorted(MODEL_SIZES_B, key=len, reverse=True)
+_SIZE_IN_NAME = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*([bm])\b", re.IGNORECASE)
 _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")
 _OPTION_VALUE = {
     "batch_size": ("--batch-size", "--batch_size", "--per_device_train_batch_size", "--train-batch-size",
@@ -114,24 +117,36 @@ def option_values(words: list[str]) -> dict[str, str]:
 
 
 def family_key(command: str) -> str:
-    """Same command with other numbers, paths or quoting: the same family."""
-    words = [w.rsplit("/", 1)[-1] for w in _words(command)]
-    norm = " ".join(_NUMBER.sub("N", w) for w in words if not w.startswith("$"))
-    return hexdigest("sha1", norm.encode())[:12]
+    """Same command with other numbers, paths or quoting: the same family; but the model stays
+    whole (resnet18 and resnet152, llama-7b and 70b are different families: what drives memory
+    and time is the model), and so does a parameter count written anywhere (``7b``, ``350m``)."""
+    words = _words(command)
+    model_values = {i + 1 for i, w in enumerate(words[:-1]) if w in _OPTION_VALUE["model"]}
+    norm = []
+    for i, word in enumerate(words):
+        if word.startswith("$"):
+            continue
+        name, eq, value = word.partition("=")
+        if i in model_values or (eq and name in _OPTION_VALUE["model"]):
+            norm.append(f"{name}{eq}{value.rsplit('/', 1)[-1].lower()}" if eq else word.rsplit("/", 1)[-1].lower())
+        elif _SIZE_IN_NAME.fullmatch(word.rsplit("/", 1)[-1]):
+            norm.append(word.rsplit("/", 1)[-1].lower())
+        else:
+            norm.append(_NUMBER.sub("N", word.rsplit("/", 1)[-1]))
+    return hexdigest("sha1", " ".join(norm).encode())[:12]
 
 
 def model_size_b(name: str | None, text: str) -> float:
-    """Parameter count in billions, from a known name or a size written in it (7b, 350m)."""
-    hay = (name or "").lower()
-    for key, size in MODEL_SIZES_B.items():
-        if key in hay:
-            return size
-    m = _SIZE_IN_NAME.search(hay) or _SIZE_IN_NAME.search(text.lower())
-    if m:
-        return float(m.group(1)) / (1 if m.group(2).lower() == "b" else 1000)
-    for key, size in MODEL_SIZES_B.items():
-        if key in text.lower():
-            return size
+    """Parameter count in billions: a size written in the model's name (7b, 1.3B, 350m) first, then
+    a known name, then the same in the whole command; 0.1 when nothing says."""
+    hay, lowered = (name or "").lower(), text.lower()
+    for source in (hay, lowered):
+        m = _SIZE_IN_NAME.search(source)
+        if m:
+            return float(m.group(1)) / (1 if m.group(2).lower() == "b" else 1000)
+        known = next((key for key in _BY_LENGTH if key in source), None)
+        if known:
+            return MODEL_SIZES_B[known]
     return 0.1
 
 

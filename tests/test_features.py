@@ -1,0 +1,52 @@
+"""Job identity: what drives memory and time stays in the family key; sizes come from names."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurmgpu.pipeline.features import family_key, model_size_b, script_features
+
+RESNET = "python train.py --arch {arch} --batch-size {batch} --lr {lr} --data /scratch/{user}/imagenet"
+LLAMA = "torchrun --nproc_per_node={n} sft.py --model_name_or_path {path} --per_device_train_batch_size {b}"
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (RESNET.format(arch="resnet18", batch=32, lr=0.1, user="ann"), RESNET.format(arch="resnet152", batch=32, lr=0.1,
+                                                                                  user="ann")),
+    (LLAMA.format(n=4, path="meta-llama/Llama-2-7b-hf", b=4), LLAMA.format(n=4, path="meta-llama/Llama-2-70b-hf", b=4)),
+    ("python gen.py --model=facebook/opt-1.3b", "python gen.py --model=facebook/opt-350m"),
+    ("python finetune.py --model bert-base-uncased", "python finetune.py --model bert-large-uncased"),
+])
+def test_model_and_size_make_different_families(a: str, b: str) -> None:
+    assert family_key(a) != family_key(b)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    # another batch size, learning rate, data path or user: the same family
+    (RESNET.format(arch="resnet50", batch=32, lr=0.1, user="ann"), RESNET.format(arch="resnet50", batch=256, lr=0.4,
+                                                                                  user="bob")),
+    # the same model from the hub or a local copy, another GPU count
+    (LLAMA.format(n=4, path="meta-llama/Llama-2-7b-hf", b=4),
+     LLAMA.format(n=8, path="/scratch/ann/Llama-2-7b-hf", b=8)),
+    ("python gen.py --model=facebook/opt-1.3b --seed 1", "python gen.py --model=OPT-1.3B --seed 2"),
+])
+def test_runs_of_one_model_stay_one_family(a: str, b: str) -> None:
+    assert family_key(a) == family_key(b)
+
+
+@pytest.mark.parametrize(("name", "billions"), [
+    # sizes written in names, as on the model cards
+    ("meta-llama/Llama-2-70b-hf", 70.0), ("meta-llama/Meta-Llama-3-8B", 8.0), ("facebook/opt-1.3b", 1.3),
+    ("bigscience/bloom-560m", 0.56), ("EleutherAI/pythia-160m", 0.16), ("Qwen/Qwen2.5-0.5B-Instruct", 0.5),
+    # known names: torchvision's ResNet table (11.7M, 21.8M, 25.6M, 44.5M, 60.2M parameters), BERT, GPT-2
+    ("resnet18", 0.0117), ("resnet34", 0.0218), ("resnet50", 0.0256), ("resnet101", 0.0445), ("resnet152", 0.0602),
+    ("bert-large-uncased", 0.34), ("gpt2", 0.124), ("gpt2-xl", 1.558),
+])
+def test_parameter_counts_from_names(name: str, billions: float) -> None:
+    assert model_size_b(name, "") == pytest.approx(billions)
+
+
+def test_deeper_model_reads_larger_in_the_script() -> None:
+    small = script_features("#!/bin/bash\n" + RESNET.format(arch="resnet18", batch=64, lr=0.1, user="a") + "\n")
+    large = script_features("#!/bin/bash\n" + RESNET.format(arch="resnet152", batch=64, lr=0.1, user="a") + "\n")
+    assert large["params_b"] > 5 * small["params_b"] and large["family"] != small["family"]
