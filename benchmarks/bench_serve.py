@@ -104,13 +104,66 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int) -
             "daemon_cpu_ms_per_request": cpu * 1e3 / len(handled), "distinct_jobs": len(pool)}
 
 
+def hostile(n: int = 8) -> dict:
+    """Health-check latency while N clients each send a 1.8 MB request (over the limit), then
+    while N send a ~250 KiB script each (under it: answered by the workers), and while one
+    client holds a half-sent line. The in-process daemon of the tests, rules decider."""
+    import socket
+    import threading
+
+    from test_serve import daemon, socket_dir
+
+    directory = socket_dir()
+    path = os.path.join(directory, "slurmgpu.sock")
+    script = "#!/bin/bash\n#SBATCH --gres=gpu:v100:1\n" + "echo step\n" * 23000 + "srun train.py\n"
+    payloads = {"1.8 MB": b'{"op": "decide", "job": {"script": "' + b"#" * (1800 << 10) + b'"}}\n',
+                "250 KiB": json.dumps({"op": "decide", "job": {"script": script, "partition": "gpu-small",
+                                                               "tres_per_node": "gres:gpu:v100:1"}}).encode() + b"\n"}
+    out = {}
+    try:
+        with daemon(path, serve.Service(load_config(ROOT / "contrib" / "slurmgpu.toml"))):
+            stalled = socket.socket(socket.AF_UNIX)
+            stalled.connect(path)
+            stalled.sendall(b'{"op": "decide", "job": {"script": "')
+            for name, payload in payloads.items():
+                def send(data: bytes = payload) -> None:
+                    with socket.socket(socket.AF_UNIX) as s:
+                        s.settimeout(30)
+                        s.connect(path)
+                        try:
+                            s.sendall(data)
+                        except OSError:
+                            pass
+                        s.makefile("rb").readline()
+
+                threads = [threading.Thread(target=send) for _ in range(n)]
+                t0 = time.monotonic()
+                for t in threads:
+                    t.start()
+                waits = []
+                while any(t.is_alive() for t in threads):
+                    t1 = time.monotonic()
+                    assert serve.call(path, {"op": "health"}, timeout_s=5.0)
+                    waits.append(time.monotonic() - t1)
+                out[name] = {"clients": n, "seconds": time.monotonic() - t0, "health_checks": len(waits),
+                             "health_max_ms": max(waits, default=0) * 1e3}
+            stalled.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of a process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and os.environ.get("HOSTILE"):
+    for name, r in hostile(int(os.environ.get("CLIENTS", "8"))).items():
+        print(f"{r['clients']} concurrent {name} requests: {r['seconds']:.2f} s; {r['health_checks']} health checks "
+              f"meanwhile, slowest {r['health_max_ms']:.1f} ms")
+elif __name__ == "__main__":
     rate, seconds, clients = (float(os.environ.get("RATE", "200")), float(os.environ.get("DURATION", "15")),
                               int(os.environ.get("CLIENTS", "4")))
     with tempfile.TemporaryDirectory() as tmp:

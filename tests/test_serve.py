@@ -498,3 +498,131 @@ def test_the_daemon_plan_reports_bad_input_as_gsbatch_does_and_never_another_con
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gsbatch: error:")]
     assert len(errors) == 2 and errors[0] == errors[1] and "gres" in errors[0]
     assert reply is not None and reply["ok"] is False and "this daemon serves" in reply["error"]
+
+
+# --- who asks, where a job may go, and one client never stalls the others ------------------------
+
+DECIDE_AS_ROOT = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(5)
+s.connect(sys.argv[1])
+job = {"script": "#!/bin/bash\\ntrue\\n", "tres_per_node": "gres:gpu:v100:1", "partition": "gpu-small",
+       "user_name": "root", "user_id": 0}
+s.sendall(json.dumps({"op": "decide", "job": job}).encode() + b"\\n")
+print(s.makefile().readline().strip() or "null")
+"""
+
+
+def test_the_user_comes_from_the_kernel_not_the_request(rules: Config, sock: str, test_users: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A group member claiming to be root is logged (and decided) as itself; root, as slurmctld's
+    hook does, speaks for the job's user_id."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="slurmgpu.apps.serve")
+    member = pwd.getpwnam("sgserve-in")
+    with daemon(sock, serve.Service(rules), serve_socket.access_for(test_users, None, None)):
+        res = subprocess.run(["/usr/bin/python3", "-I", "-c", DECIDE_AS_ROOT, sock], capture_output=True, text=True,
+                             timeout=20, user=member.pw_uid, group=member.pw_gid,
+                             extra_groups=os.getgrouplist("sgserve-in", member.pw_gid), check=True)
+        assert json.loads(res.stdout)["ok"]
+        assert serve.ask(sock, {"script": "#!/bin/bash\ntrue\n", "tres_per_node": "gres:gpu:v100:1",
+                                "user_name": "mallory", "user_id": member.pw_uid})
+    lines = [r.getMessage() for r in caplog.records if "latency_ms" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert f'user="sgserve-in" uid={member.pw_uid} via=peer' in lines[0] and '"root"' not in lines[0]
+    assert f'user="sgserve-in" uid={member.pw_uid} via=slurmctld' in lines[1] and "mallory" not in lines[1]
+
+
+def test_identify() -> None:
+    peer = serve.Peer(1, 4242, 4242, trusted=False)
+    job = {"job": {"user_name": "root", "user_id": 0}}
+    assert serve.identify(job, peer) == serve.Who(None, 4242, "peer")  # no passwd entry: the uid alone
+    assert serve.identify(job, peer._replace(trusted=True)) == serve.Who("root", 0, "slurmctld")
+    assert serve.identify({"job": {"user_name": "root"}}, peer._replace(uid=0, trusted=True)).name == "root"
+    assert serve.identify({"user": "root"}, peer._replace(uid=0)) == serve.Who("root", 0, "peer")
+
+
+def test_a_job_moves_only_to_a_partition_that_admits_it(rules: Config) -> None:
+    from test_partitions import variant
+
+    moved = {"script": "#!/bin/bash\ntrue\n", "tres_per_node": "gres:gpu:v100:1", "partition": "gpu-small",
+             "user_id": 0, "account": "ml", "qos": "normal", "time_limit": 120}
+    cases = [
+        ({}, {}, {"partition": "gpu"}),
+        ({"AllowAccounts": "physics"}, {}, {}),
+        ({"AllowAccounts": "physics"}, {"account": "physics"}, {"partition": "gpu"}),
+        ({"DenyQos": "normal"}, {}, {}),
+        ({"MaxTime": "01:00:00"}, {}, {}),
+        ({"MaxTime": "01:00:00"}, {"time_limit": 60}, {"partition": "gpu"}),
+        ({"State": "DOWN"}, {}, {}),
+        ({}, {"req_nodes": "gpu2"}, {}),  # gpu2 is not in partition gpu
+        ({}, {"req_nodes": "gpu1"}, {"partition": "gpu"}),
+    ]
+    for fields, extra, apply in cases:
+        service = serve.Service(rules, partitions=lambda f=fields: variant("gpu", **f))  # type: ignore[misc]
+        service.refresh_free()
+        decision = service.decide({**moved, **extra})
+        assert decision["apply"] == apply, (fields, extra, decision["reasons"])
+    def broken() -> dict:
+        raise OSError("scontrol: not found")
+
+    service = serve.Service(rules, partitions=broken)
+    service.refresh_free()
+    decision = service.decide(moved)
+    assert decision["apply"] == {} and "rules are unknown (scontrol: not found)" in decision["reasons"][-1]
+    assert service.health()["partitions"] == {"read": False, "names": [], "error": "scontrol: not found"}
+
+
+def test_a_huge_or_stalled_client_does_not_stall_the_daemon(rules: Config, sock: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests over the limit get a one-line error; a client that stops mid-line holds only its
+    own connection (and is answered when its time is up); health answers meanwhile."""
+    monkeypatch.setattr(serve_socket, "READ_TIMEOUT_S", 1.0)
+    huge = b'{"op": "decide", "job": {"script": "' + b"#" * (1800 << 10) + b'"}}\n'
+    with daemon(sock, serve.Service(rules)):
+        stalled = socket.socket(socket.AF_UNIX)
+        stalled.connect(sock)
+        stalled.sendall(b'{"op": "decide", "job": {"script": "#!/bin/bash')  # and nothing more
+        replies: list[dict | None] = []
+
+        def send_huge() -> None:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(10)
+                s.connect(sock)
+                try:
+                    s.sendall(huge)
+                except OSError:  # answered and hung up on before the whole request was sent
+                    pass
+                line = s.makefile("rb").readline()
+                replies.append(json.loads(line) if line else None)
+
+        senders = [threading.Thread(target=send_huge) for _ in range(8)]
+        t0 = time.monotonic()
+        for t in senders:
+            t.start()
+        waits = []
+        while any(t.is_alive() for t in senders) or not waits:
+            t1 = time.monotonic()
+            assert serve.call(sock, {"op": "health"}, timeout_s=2.0), "health did not answer within 2 s"
+            waits.append(time.monotonic() - t1)
+        for t in senders:
+            t.join(10)
+        assert len(replies) == 8 and all(r and "request longer than 262144 bytes" in r["error"] for r in replies)
+        stalled.settimeout(5)
+        answer = json.loads(stalled.makefile("rb").readline())
+        assert "not complete within 1 s" in answer["error"]
+        stalled.close()
+        print(f"\n8 x 1.8 MB requests in {time.monotonic() - t0:.2f} s; {len(waits)} health checks meanwhile, "
+              f"slowest {max(waits) * 1000:.1f} ms")
+
+
+def test_a_large_request_is_answered_by_a_worker_and_in_order(rules: Config, sock: str) -> None:
+    script = "#!/bin/bash\n" + "# padding\n" * 3000 + "srun x\n"  # ~30 KiB: beyond the inline size
+    big = json.dumps({"op": "decide", "job": {"script": script, "tres_per_node": "gres:gpu:v100:1",
+                                              "partition": "gpu-small"}}).encode() + b"\n"
+    with daemon(sock, serve.Service(rules)):
+        replies = exchange(sock, big, b'{"op": "health"}\n', big)
+    assert [r and r["ok"] for r in replies] == [True, True, True]
+    assert replies[0]["decision"]["apply"] == {"partition": "gpu"} and "uptime_s" in replies[1]

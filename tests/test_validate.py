@@ -117,8 +117,8 @@ def test_gsbatch_keeps_the_request_when_the_daemon_answers_out_of_bounds(
            "XDG_CACHE_HOME": str(tmp_path / "cache"), "USER": "root"}
     try:
         with daemon(sock, serve.Service(load_config(SAMPLE))):  # an honest daemon's plan, to tamper with
-            [reply] = [serve.call(sock, {"op": "plan", "config": str(SAMPLE), "script": MOVE, "script_name": str(script),
-                                         "options": [], "env": {}})]
+            reply = serve.call(sock, {"op": "plan", "config": str(SAMPLE), "script": MOVE,
+                                      "script_name": str(script), "options": [], "env": {}})
         assert reply and reply["ok"]
         honest = reply["plan"]
         assert honest["decision"]["changes"][0]["partition"] == "gpu"

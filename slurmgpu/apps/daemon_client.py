@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 DEFAULT_SOCKET = "/run/slurmgpu/slurmgpu.sock"
-MAX_REQUEST_BYTES = 2 << 20  # the hook sends at most 256 KiB of script, escaped
+MAX_REQUEST_BYTES = 256 << 10  # one request line; the hook cuts the script to fit, gsbatch plans in-process
+MAX_REPLY_BYTES = 4 << 20  # a plan's reply carries the rewritten script
 
 
 def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
@@ -25,7 +26,7 @@ def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -
             sock.connect(socket_path)
             sock.sendall(json.dumps(message, separators=(",", ":")).encode("utf-8", "surrogateescape") + b"\n")
             data = b""
-            while not data.endswith(b"\n") and len(data) <= MAX_REQUEST_BYTES:
+            while not data.endswith(b"\n") and len(data) <= MAX_REPLY_BYTES:
                 sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 chunk = sock.recv(65536)
                 if not chunk:

@@ -15,7 +15,7 @@ the connection closed. Requests:
 ``{"op": "decide", "job": JOB}``
     ``{"ok": true, "decision": {...Decision.to_json()..., "request": TEXT, "apply": {FIELD: VALUE}}}``
 ``{"op": "plan", "config": PATH, "script": TEXT|null, "script_name": NAME, "options": [WORD...],
-"env": {SBATCH_*: VALUE}, "user": NAME}``
+"env": {SBATCH_*: VALUE}}``
     gsbatch's fast path: ``{"ok": true, "plan": {...Plan.to_json()...}}``, the same plan gsbatch makes in
     its own process (``slurmgpu.pipeline.plan``), rewritten script included; ``{"ok": false,
     "input_error": TEXT}`` when the script or options are bad. Only for the config this daemon serves.
@@ -26,9 +26,20 @@ JOB is what job_submit.lua sees in ``job_desc``; every key is optional and unkno
 ignored. Strings: ``script`` (the batch script text), ``tres_per_node``, ``tres_per_job``,
 ``tres_per_task``, ``tres_per_socket`` (in either Slurm spelling: ``gres:gpu:a100:2``,
 ``gres/gpu=1``), ``partition``, ``account``, ``qos``, ``name``, ``features`` (--constraint),
-``user_name`` (for the model's per-user history). Whole numbers: ``num_tasks``, ``min_nodes``,
+``req_nodes`` (--nodelist), ``user_name``. Whole numbers: ``num_tasks``, ``min_nodes``,
 ``max_nodes``, ``ntasks_per_node``, ``cpus_per_task``, ``sockets_per_node``, ``time_limit``
-(minutes), ``user_id`` (logged when there is no name); Slurm's NO_VAL/INFINITE mean "not set".
+(minutes), ``user_id``; Slurm's NO_VAL/INFINITE mean "not set".
+
+Who asks: the kernel says (SO_PEERCRED), never the request. A client that is not root or
+SlurmUser is the user it runs as, whatever ``user_name``/``user_id`` it sends. Only slurmctld's
+hook (its peer is root or SlurmUser) speaks for another user: it sends ``job_desc.user_id``,
+which slurmctld took from the submitter's authenticated credential. Each log line names the user
+and uid so resolved.
+
+Where a job may go: with a cluster view (``slurmgpu serve`` reads ``scontrol show partition -o``
+every few seconds, off the request path), a job is moved only to a partition whose rules admit
+it (State, AllowGroups, AllowAccounts/DenyAccounts, AllowQos/DenyQos, MaxTime, MaxNodes, the
+job's node list); while those rules cannot be read, no job is moved at all.
 The fields become sbatch command-line words over the script's directives, so ``build_request``
 applies sbatch's own precedence; the script's GPU directives are left out because the tres
 fields already hold the job's whole GPU request. A heterogeneous job, or a script with a
@@ -41,15 +52,20 @@ request stands, and on a refusal too (reported in ``refused``; Slurm has the las
 
 Security: the socket is mode 0660, group ``--group``, in a root-owned 0755 directory, and each
 peer is checked with SO_PEERCRED: only root, the daemon's own user, SlurmUser and members of the
-group get answers. The daemon answers decisions and health only; it has no history queries.
+group get answers. The daemon answers decisions and health only; it has no history queries, and
+the model it applies holds no per-user statistics. A request line is at most
+``MAX_REQUEST_BYTES`` (256 KiB); connections are served concurrently (see serve_socket).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
+import pwd
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -67,10 +83,11 @@ try:  # a long-running daemon can afford numpy: it evaluates all candidate types
 except ImportError:  # pragma: no cover - numpy ships with the training extra
     pass
 from slurmgpu.pipeline.plan import Plan, make_plan
-from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider, make_decider
-from slurmgpu.pipeline.request import GPU_OPTIONS, JobRequest, build_request
+from slurmgpu.pipeline.policy import Admits, Decider, Decision, KeepDecider, make_decider
+from slurmgpu.pipeline.request import GPU_OPTIONS, ComponentRequest, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.pipeline.script import encode, parse_script
+from slurmgpu.slurm.partitions import JobAccess, PartitionRules, nodelist_of, user_groups
 
 FREE_GPUS_EVERY_S = 10.0
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
@@ -82,7 +99,7 @@ TRES_FIELDS = {"tres_per_node": "gres", "tres_per_job": "gpus", "tres_per_task":
                "tres_per_socket": "gpus-per-socket"}
 FIELD_OF_OPTION = {option: field for field, option in TRES_FIELDS.items()}
 STRING_FIELDS = {"partition": "partition", "account": "account", "qos": "qos", "name": "job-name",
-                 "features": "constraint"}
+                 "features": "constraint", "req_nodes": "nodelist"}
 COUNT_FIELDS = {"num_tasks": ("ntasks", NO_VAL), "ntasks_per_node": ("ntasks-per-node", NO_VAL16),
                 "cpus_per_task": ("cpus-per-task", NO_VAL16), "sockets_per_node": ("sockets-per-node", NO_VAL16),
                 "time_limit": ("time", NO_VAL)}
@@ -169,6 +186,48 @@ def apply_fields(request: JobRequest, decision: Decision) -> dict[str, str]:
 # --- the service: model, free GPUs, decisions ---------------------------------------------------
 
 
+class Peer(NamedTuple):
+    """The process at the other end of a connection, as the kernel reports it (SO_PEERCRED);
+    ``trusted`` when it may speak for other users (root or SlurmUser: slurmctld's hook)."""
+
+    pid: int
+    uid: int
+    gid: int
+    trusted: bool = False
+
+
+class Who(NamedTuple):
+    """Whom a request is for: a name and uid (either may be unknown) and how it was learnt."""
+
+    name: str | None
+    uid: int | None
+    source: str  # "peer" (SO_PEERCRED), "slurmctld" (job_desc.user_id from a trusted peer), "caller"
+
+
+def _uid_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return None
+
+
+def identify(message: Mapping[str, Any], peer: Peer | None) -> Who:
+    """The requesting user: the peer itself unless the peer is trusted to speak for the job's
+    user (slurmctld sends job_desc.user_id). ``peer`` None: an in-process caller, believed."""
+    job = message.get("job")
+    body: Mapping[str, Any] = job if isinstance(job, dict) else message
+    name = body.get("user_name") if isinstance(body.get("user_name"), str) else None
+    uid = body.get("user_id")
+    uid = uid if isinstance(uid, int) and not isinstance(uid, bool) and 0 <= uid < NO_VAL else None
+    if peer is not None and not peer.trusted:
+        return Who(_uid_name(peer.uid), peer.uid, "peer")
+    if uid is not None:  # the uid is what slurmctld authenticated; a name that disagrees is ignored
+        return Who(_uid_name(uid) or name, uid, "slurmctld" if peer is not None else "caller")
+    if peer is not None and name is None:
+        return Who(_uid_name(peer.uid), peer.uid, "peer")
+    return Who(name, None, "slurmctld" if peer is not None else "caller")
+
+
 class ModelState(NamedTuple):
     """The model in use; a failed reload keeps the previous bundle and records the error."""
 
@@ -183,16 +242,23 @@ class Service:
     """Decides jobs with the config's decider and the newest usable model."""
 
     def __init__(self, config: Config, model_path: str | None = None,
-                 free_gpus: Callable[[], Mapping[str, int]] | None = None, reload_s: float = 2.0) -> None:
+                 free_gpus: Callable[[], Mapping[str, int]] | None = None, reload_s: float = 2.0,
+                 partitions: Callable[[], Mapping[str, PartitionRules]] | None = None) -> None:
         self.config, self.reload_s = config, reload_s
         self.model_path = model_path if config.policy.decider == "model" else None
         self.fetch_free = free_gpus
         self.free: Mapping[str, int] = {}  # idle GPUs per type; {} ranks by runtime alone
+        # Slurm's partition rules: without a fetcher (a library caller) moves are not checked;
+        # with one, rules that could not be read yet (None) admit no move at all.
+        self.fetch_partitions = partitions
+        self.partitions: Mapping[str, PartitionRules] | None = None
+        self.partitions_error: str | None = "not read yet" if partitions else None
+        self._counter = itertools.count(1)
         self.model = ModelState()
         self.fixed: Decider | None = None if self.model_path else make_decider(config)
         self.features = config.gpu_features()
         self.started = time.monotonic()
-        self.count = 0  # requests handled; only the server's one thread counts
+        self.count = 0  # requests handled (several threads count: see _counter)
         self.stopped = threading.Event()
         if self.model_path and not self.check_model():
             log.warning("no usable model yet (%s): requests are kept as written until one appears", self.model.error)
@@ -222,13 +288,43 @@ class Service:
         return True
 
     def refresh_free(self) -> None:
-        """Idle GPUs from the cluster, off the request path: sinfo waits while slurmctld sits in the hook."""
-        if self.fetch_free is None:
-            return
-        try:
-            self.free = dict(self.fetch_free())
-        except Exception as exc:  # noqa: BLE001 - no cluster view: keep the last one
-            log.warning("idle GPU counts not refreshed: %s", exc)
+        """Idle GPUs and partition rules from the cluster, off the request path: sinfo and
+        scontrol wait while slurmctld sits in the hook."""
+        if self.fetch_free is not None:
+            try:
+                self.free = dict(self.fetch_free())
+            except Exception as exc:  # noqa: BLE001 - no cluster view: keep the last one
+                log.warning("idle GPU counts not refreshed: %s", exc)
+        if self.fetch_partitions is not None:
+            try:
+                self.partitions, self.partitions_error = dict(self.fetch_partitions()), None
+            except Exception as exc:  # noqa: BLE001 - rules unknown: no job is moved until they are read
+                if self.partitions_error is None or self.partitions is not None:
+                    log.warning("partition rules not read (%s): no job is moved to another partition", exc)
+                self.partitions, self.partitions_error = None, str(exc)
+
+    def admits(self, who: Who) -> Admits | None:
+        """Why Slurm would refuse a component in a partition (None: it would take it), for this user."""
+        if self.fetch_partitions is None:
+            return None
+        rules, error = self.partitions, self.partitions_error
+        groups = user_groups(who.name, who.uid) if rules is not None else None
+
+        def check(name: str, comp: ComponentRequest) -> str | None:
+            if rules is None:
+                return f"Slurm's partition rules are unknown ({error})"
+            if name not in rules:
+                return f"Slurm has no partition {name}"
+            try:
+                nodes = nodelist_of(comp.options["nodelist"].value) if "nodelist" in comp.options else ()
+            except ValueError as exc:
+                return f"the job's node list: {exc}"
+            job = JobAccess(uid=who.uid, groups=groups, account=comp.account, qos=comp.qos,
+                            time_limit_min=math.ceil(comp.time_limit_s / 60) if comp.time_limit_s else None,
+                            min_nodes=comp.nodes if comp.nodes_set else None, nodelist=nodes)
+            return rules[name].refusal(job)
+
+        return check
 
     def watch(self) -> None:
         """Background loop: idle GPUs every ``FREE_GPUS_EVERY_S``, the model file every ``reload_s``."""
@@ -239,22 +335,25 @@ class Service:
                 next_free = time.monotonic() + FREE_GPUS_EVERY_S
             if self.stopped.wait(self.reload_s):
                 return
-            self.check_model()
+            if self.model_path:
+                self.check_model()
 
     def start(self) -> None:
-        """Start watching the model file (only the model decider has one)."""
-        if self.model_path:
+        """Start watching the model file and the cluster (when there is either)."""
+        if self.model_path or self.fetch_free or self.fetch_partitions:
             threading.Thread(target=self.watch, name="slurmgpu-watch", daemon=True).start()
 
-    def decider(self, user: str | None) -> Decider:
-        if self.fixed is not None:
+    def decider(self, who: Who) -> Decider:
+        if self.fixed is not None and self.fixed.name == "keep":
             return self.fixed
+        if self.fixed is not None:
+            return make_decider(self.config, admits=self.admits(who))
         bundle = self.model.bundle
         if bundle is None:
             return KeepDecider(f"model unusable ({self.model.error}); request kept")
-        return make_decider(self.config, bundle, lambda: self.free, user)
+        return make_decider(self.config, bundle, lambda: self.free, who.name, self.admits(who))
 
-    def decide(self, job: Mapping[str, Any]) -> dict[str, Any]:
+    def decide(self, job: Mapping[str, Any], who: Who | None = None) -> dict[str, Any]:
         """The reply to a decide request (raises InputError for an unreadable job)."""
         request = job_request(job, self.features)
         script = request.script
@@ -264,8 +363,7 @@ class Service:
         elif script is not None and script.keep_marker:
             decision = KeepDecider(script.keep_reason).decide(request)
         else:
-            user = job.get("user_name") if isinstance(job.get("user_name"), str) else None
-            decision = self.decider(user).decide(request)
+            decision = self.decider(who or identify(job, None)).decide(request)
         try:
             apply = apply_fields(request, decision)
         except RewriteError as exc:
@@ -279,6 +377,9 @@ class Service:
         return {
             "ok": True, "version": __version__, "decider": self.config.policy.decider, "config": self.config.path,
             "requests": self.count, "uptime_s": round(time.monotonic() - self.started, 1),
+            "partitions": None if self.fetch_partitions is None else {
+                "read": self.partitions is not None, "names": sorted(self.partitions or ()),
+                "error": self.partitions_error},
             "model": None if self.model_path is None else {
                 "path": self.model_path, "loaded": bundle is not None, "sha256": m.sha256,
                 "mtime": datetime.fromtimestamp(m.mtime, UTC).isoformat() if m.mtime else None,
@@ -286,36 +387,37 @@ class Service:
                 "window": bundle.data.get("window") if bundle else None, "error": m.error},
         }
 
-    def handle(self, line: bytes) -> dict[str, Any]:
-        """One request line to one reply; never raises, logs each decision."""
+    def handle(self, line: bytes, peer: Peer | None = None) -> dict[str, Any]:
+        """One request line to one reply; never raises, logs each decision. ``peer``: who is
+        connected (None for an in-process caller, whose user fields are believed)."""
         t0 = time.perf_counter()
-        self.count += 1
-        job: Any = {}
+        self.count = next(self._counter)
+        who = Who(None, peer.uid if peer else None, "peer" if peer else "caller")
         try:
             message = json.loads(line.decode("utf-8", "surrogateescape"))
             op = message.get("op") if isinstance(message, dict) else None
             if op == "health":
                 return self.health()
+            who = identify(message if isinstance(message, dict) else {}, peer)
             if op == "plan":
-                return self.plan_reply(message, t0)
+                return self.plan_reply(message, t0, who)
             if op != "decide":
                 raise InputError(f"unknown op {op!r} (expected 'decide', 'plan' or 'health')")
             if not isinstance(message.get("job"), dict):
                 raise InputError("'job' must be an object")
-            job = message["job"]
-            decision = self.decide(job)
+            decision = self.decide(message["job"], who)
         except (InputError, ValueError, UnicodeError, RecursionError) as exc:
-            self._log(job, t0, error=str(exc))
+            self._log(who, t0, error=str(exc))
             return {"ok": False, "error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a fault of ours must not take the daemon down
             log.exception("internal error")
             return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
         result = (f"refused: {decision['refused']}" if decision["refused"] else
                   " ".join(f"{k}={v}" for k, v in decision["apply"].items()) or "kept")
-        self._log(job, t0, request=decision["request"], result=result, decider=decision["decider"])
+        self._log(who, t0, request=decision["request"], result=result, decider=decision["decider"])
         return {"ok": True, "decision": decision}
 
-    def plan(self, message: Mapping[str, Any]) -> Plan:
+    def plan(self, message: Mapping[str, Any], who: Who | None = None) -> Plan:
         """The plan gsbatch would make in its own process for the same script, options and
         SBATCH_* variables (raises InputError for the user's input, ValueError for a bad request)."""
         config = message.get("config")
@@ -329,14 +431,12 @@ class Service:
             raise ValueError("plan: script and script_name must be strings or null, options a list of "
                              "strings, env an object of SBATCH_* strings")
         script = parse_script(text.encode("utf-8", "surrogateescape"), name or "<stdin>") if text is not None else None
-        user = message.get("user") if isinstance(message.get("user"), str) else None
-        return make_plan(script, options, env, self.decider(user), self.features)
+        return make_plan(script, options, env, self.decider(who or identify(message, None)), self.features)
 
-    def plan_reply(self, message: Mapping[str, Any], t0: float) -> dict[str, Any]:
+    def plan_reply(self, message: Mapping[str, Any], t0: float, who: Who) -> dict[str, Any]:
         """A plan request to its reply: the user's input errors travel back to be printed by gsbatch."""
-        who = {"user_name": message.get("user")}
         try:
-            made = self.plan(message)
+            made = self.plan(message, who)
         except InputError as exc:
             self._log(who, t0, error=str(exc))
             return {"ok": False, "input_error": str(exc)}
@@ -348,11 +448,12 @@ class Service:
         return {"ok": True, "plan": made.to_json()}
 
     @staticmethod
-    def _log(job: Mapping[str, Any], t0: float, **fields: str) -> None:
-        """One line per request: who, what was asked, what came of it, how long it took."""
-        user = job.get("user_name") or job.get("user_id") or "?"
+    def _log(who: Who, t0: float, **fields: str) -> None:
+        """One line per request: who (name and uid as resolved, and how), what was asked, what
+        came of it, how long it took."""
         text = " ".join(f"{key}={json.dumps(value)}" for key, value in fields.items())
-        log.info("user=%s %s latency_ms=%.2f", json.dumps(user), text, (time.perf_counter() - t0) * 1000)
+        log.info("user=%s uid=%s via=%s %s latency_ms=%.2f", json.dumps(who.name or "?"),
+                 "?" if who.uid is None else who.uid, who.source, text, (time.perf_counter() - t0) * 1000)
 
 
 

@@ -1,6 +1,7 @@
 """The daemon's Unix socket server: who may connect (SO_PEERCRED), line framing, privileges.
 
-Request handling lives in slurmgpu.apps.serve; this module only moves lines between clients and it.
+Request handling lives in slurmgpu.apps.serve; this module only moves lines between clients and it,
+with each client's kernel-reported identity (a request never says who it is for; see serve.identify).
 """
 
 from __future__ import annotations
@@ -17,21 +18,29 @@ import stat
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from slurmgpu.apps.daemon_client import MAX_REQUEST_BYTES, call
-from slurmgpu.apps.serve import Service
+from slurmgpu.apps.serve import Peer, Service
 from slurmgpu.pipeline.errors import InputError
 
-IDLE_TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 60.0  # a connection with nothing to say is closed after this long
+READ_TIMEOUT_S = 5.0  # a request line must arrive whole within this long of its first byte
+INLINE_BYTES = 8192  # lines up to this size are answered in the I/O thread (a typical script)
+WORKERS = 4  # larger lines are answered by these threads, so none of them stalls the others
+MAX_CLIENTS = 512
 log = logging.getLogger("slurmgpu.apps.serve")
 
 class Access(NamedTuple):
-    """Who may ask: these uids, and members of this group (checked with SO_PEERCRED)."""
+    """Who may ask: these uids, and members of this group (checked with SO_PEERCRED); ``trusted``
+    uids (root and SlurmUser: slurmctld's hook) may also say which user a job is for."""
 
     uids: frozenset[int]
     gid: int | None = None
+    trusted: frozenset[int] = frozenset({0})
 
     def allows(self, uid: int, gid: int) -> bool:
         if uid in self.uids or (self.gid is not None and gid == self.gid):
@@ -53,23 +62,30 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class _Client:
-    """One connection's unread input and unsent output."""
+    """One connection's unread input and unsent output; ``busy`` while a worker answers its
+    current line (its next line waits, so replies keep the order of the requests)."""
 
-    __slots__ = ("sock", "inbox", "outbox", "seen", "closing")
+    __slots__ = ("sock", "inbox", "outbox", "seen", "closing", "peer", "busy", "eof", "events", "line_since")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock, self.inbox, self.outbox = sock, bytearray(), bytearray()
-        self.seen, self.closing = time.monotonic(), False
+        self.seen, self.closing, self.peer, self.busy, self.eof = time.monotonic(), False, peer, False, False
+        self.events = 0  # what the selector listens for on this socket (0: not registered)
+        self.line_since: float | None = None  # when the unfinished line's first byte came
 
 
 
 class Server:
-    """One thread multiplexing every connection with selectors.
+    """One I/O thread multiplexing every connection with selectors, and a few worker threads.
 
     Decisions are CPU-bound Python under the GIL, so a thread per connection would only add its
     start-up and switching costs (measured: 0.26 ms of CPU and ~0.7 ms of latency a request,
-    against 0.08 ms and 0.14 ms here). The socket file is made private first, then given its
-    group and mode.
+    against 0.08 ms and 0.14 ms here): a line of up to ``INLINE_BYTES`` (a typical script) is
+    answered in the I/O thread. A longer one goes to a worker, so a client sending a large
+    script cannot hold up anyone's health check or decision; no line may exceed
+    ``MAX_REQUEST_BYTES`` and a line must arrive whole within ``READ_TIMEOUT_S`` (one slow
+    client holds only its own connection). The socket file is made private first, then given
+    its group and mode.
     """
 
     def __init__(self, path: str, service: Service, access: Access, mode: int = 0o660) -> None:
@@ -78,6 +94,11 @@ class Server:
         self.stopping = threading.Event()
         self.clients: dict[socket.socket, _Client] = {}
         self.selector = selectors.DefaultSelector()
+        self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="slurmgpu-serve")
+        self.done: deque[tuple[_Client, dict[str, Any]]] = deque()  # workers' replies, for the I/O thread
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             prepare_socket_path(path)
@@ -95,14 +116,17 @@ class Server:
             raise
         self.sock.setblocking(False)
         self.selector.register(self.sock, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
-        next_sweep = time.monotonic() + IDLE_TIMEOUT_S
+        next_sweep = time.monotonic() + 0.5
         while not self.stopping.is_set():
-            for key, events in self.selector.select(poll_interval):
+            for key, events in self.selector.select(min(poll_interval, 0.5)):
                 try:
                     if key.fileobj is self.sock:
                         self._accept()
+                    elif key.fileobj is self.wake_r:
+                        self._replies()
                     elif events & selectors.EVENT_READ:
                         self._read(key.data)
                     else:
@@ -112,10 +136,20 @@ class Server:
                     if key.data is not None:
                         self._close(key.data)
             if time.monotonic() > next_sweep:
-                idle = time.monotonic() - IDLE_TIMEOUT_S
-                for client in [c for c in self.clients.values() if c.seen < idle]:
-                    self._close(client)
-                next_sweep = time.monotonic() + IDLE_TIMEOUT_S / 4
+                self._sweep()
+                next_sweep = time.monotonic() + 0.5
+
+    def _sweep(self) -> None:
+        """Close connections idle too long, and answer a line that is not done in time."""
+        now = time.monotonic()
+        for client in list(self.clients.values()):
+            if client.busy or client.closing:
+                continue
+            if client.line_since is not None and now - client.line_since > READ_TIMEOUT_S:
+                self._send(client, {"ok": False, "error": f"request not complete within {READ_TIMEOUT_S:g} s"},
+                           last=True)
+            elif client.seen < now - IDLE_TIMEOUT_S and not client.outbox:
+                self._close(client)
 
     def shutdown(self) -> None:
         """Make serve_forever return (within its poll interval); safe from a signal handler."""
@@ -125,8 +159,11 @@ class Server:
         """Close every connection and remove the socket file (once serve_forever has returned)."""
         for client in list(self.clients.values()):
             self._close(client)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.selector.close()
         self.sock.close()
+        self.wake_r.close()
+        self.wake_w.close()
         try:
             if self.inode is not None and os.stat(self.path).st_ino == self.inode:
                 os.unlink(self.path)
@@ -139,13 +176,16 @@ class Server:
         except OSError:
             return
         sock.setblocking(False)
-        client = _Client(sock)
+        pid, uid, gid = peer_credentials(sock)
+        client = _Client(sock, Peer(pid, uid, gid, uid in self.access.trusted))
         self.clients[sock] = client
-        self.selector.register(sock, selectors.EVENT_READ, client)
-        _, uid, gid = peer_credentials(sock)
+        self._want(client, selectors.EVENT_READ)
         if not self.access.allows(uid, gid):
             log.warning("refused a connection from uid %d (not root, SlurmUser or in the socket's group)", uid)
             self._send(client, {"ok": False, "error": "permission denied"}, last=True)
+        elif len(self.clients) > MAX_CLIENTS:
+            log.warning("refused a connection from uid %d: %d connections open", uid, MAX_CLIENTS)
+            self._send(client, {"ok": False, "error": "busy: too many connections"}, last=True)
 
     def _read(self, client: _Client) -> None:
         try:
@@ -155,24 +195,86 @@ class Server:
         except OSError:
             data = b""
         client.seen = time.monotonic()
-        client.inbox += data if data else b"\n"  # at the end, a last line without its newline counts
-        while not client.closing and (end := client.inbox.find(b"\n", 0, MAX_REQUEST_BYTES)) >= 0:
+        if client.closing:  # answered for the last time: what else it sends is dropped
+            return
+        if not data:
+            client.eof = True
+            data = b"\n"  # at the end, a last line without its newline counts
+        client.inbox += data
+        self._next_lines(client)
+
+    def _next_lines(self, client: _Client) -> None:
+        """Answer the client's complete lines in order, one at a time (a long one by a worker)."""
+        while not client.busy and not client.closing:
+            end = client.inbox.find(b"\n", 0, MAX_REQUEST_BYTES + 1)
+            if end < 0:
+                break
             line = bytes(client.inbox[:end + 1])
             del client.inbox[:end + 1]
-            if line.strip():
-                self._send(client, self.service.handle(line))
-        if client.closing:
+            client.line_since = None
+            if not line.strip():
+                continue
+            if len(line) <= INLINE_BYTES:
+                self._send(client, self.service.handle(line, client.peer))
+            else:
+                client.busy = True
+                self.pool.submit(self._work, client, line)
+        if client.closing or client.sock not in self.clients:
             return
-        if len(client.inbox) >= MAX_REQUEST_BYTES:
-            self._send(client, {"ok": False, "error": f"request longer than {MAX_REQUEST_BYTES} bytes"}, last=True)
-        elif not data:
-            client.closing = True
-            self._flush(client)
+        if not client.busy:
+            if len(client.inbox) > MAX_REQUEST_BYTES:
+                client.inbox.clear()
+                self._send(client, {"ok": False, "error": f"request longer than {MAX_REQUEST_BYTES} bytes"},
+                           last=True)
+                return
+            if client.eof:
+                client.closing = True
+            elif client.inbox and client.line_since is None:
+                client.line_since = time.monotonic()
+        self._flush(client)
+
+    def _work(self, client: _Client, line: bytes) -> None:
+        """In a worker thread: answer one line and hand the reply to the I/O thread."""
+        try:
+            reply = self.service.handle(line, client.peer)
+        except Exception as exc:  # noqa: BLE001 - handle never raises; this is a last resort
+            reply = {"ok": False, "error": f"internal error: {type(exc).__name__}"}
+        self.done.append((client, reply))
+        try:
+            self.wake_w.send(b"x")
+        except OSError:  # the wake-up pipe is full: the I/O thread is about to look anyway
+            pass
+
+    def _replies(self) -> None:
+        """In the I/O thread: send the workers' replies, then go on with each client's next lines."""
+        try:
+            while self.wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+        while self.done:
+            client, reply = self.done.popleft()
+            client.busy = False
+            if client.sock in self.clients:
+                client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+                self._next_lines(client)
 
     def _send(self, client: _Client, reply: Mapping[str, Any], last: bool = False) -> None:
         client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
         client.closing = client.closing or last
         self._flush(client)
+
+    def _want(self, client: _Client, events: int) -> None:
+        """Listen for these events on the client's socket (0: for none, while a worker answers it)."""
+        if events == client.events:
+            return
+        if client.events == 0:
+            self.selector.register(client.sock, events, client)
+        elif events == 0:
+            self.selector.unregister(client.sock)
+        else:
+            self.selector.modify(client.sock, events, client)
+        client.events = events
 
     def _flush(self, client: _Client) -> None:
         if client.sock not in self.clients:
@@ -186,18 +288,17 @@ class Server:
             return
         del client.outbox[:sent]
         if client.outbox:
-            self.selector.modify(client.sock, selectors.EVENT_WRITE, client)  # resume reading once sent
-        elif client.closing:
+            self._want(client, selectors.EVENT_WRITE)  # resume reading once sent
+        elif client.closing and not client.busy:
             self._close(client)
-        else:
-            self.selector.modify(client.sock, selectors.EVENT_READ, client)
+        else:  # nothing to read while a worker answers (it bounds what one client can queue), or after EOF
+            self._want(client, 0 if client.busy or client.eof else selectors.EVENT_READ)
 
     def _close(self, client: _Client) -> None:
         client.closing = True
         if self.clients.pop(client.sock, None) is not None:
-            self.selector.unregister(client.sock)
+            self._want(client, 0)
             client.sock.close()
-
 
 
 def prepare_socket_path(path: str) -> None:
@@ -222,20 +323,22 @@ def prepare_socket_path(path: str) -> None:
 
 def access_for(group: str | None, slurm_user: str | None, run_as: str | None) -> Access:
     """Root, the daemon's own user(s), SlurmUser and the group; unknown names are an InputError."""
-    uids = {0, os.geteuid()}
+    uids, trusted = {0, os.geteuid()}, {0}
     for option, name in (("--slurm-user", slurm_user), ("--run-as", run_as)):
         if name:
             try:
                 uids.add(pwd.getpwnam(name).pw_uid)
             except KeyError:
                 raise InputError(f"no such user {name!r}", option=option) from None
+            if option == "--slurm-user":  # slurmctld's hook: it says which user a job is for
+                trusted.add(pwd.getpwnam(name).pw_uid)
     gid = None
     if group:
         try:
             gid = grp.getgrnam(group).gr_gid
         except KeyError:
             raise InputError(f"no such group {group!r}", option="--group") from None
-    return Access(frozenset(uids), gid)
+    return Access(frozenset(uids), gid, frozenset(trusted))
 
 
 
