@@ -289,6 +289,13 @@ def test_a_reader_never_sees_a_partial_record(tmp_path: Path) -> None:
     (lambda d: d["gpus"][1].update(peak_mem_mib="x"), 'gpus[1].peak_mem_mib: expected number, got "x"'),
     (lambda d: d["gpus"][0].pop("uuid"), "gpus[0].uuid: missing"),
     (lambda d: d["gpus"].append(7), "gpus[2]: expected an object"),
+    # what a database column cannot hold: a record is checked before it reaches one
+    (lambda d: d.update(samples=2**31), "samples: expected int of at most 31 bits"),
+    (lambda d: d.update(hostname="n" * 129), "hostname: expected 1 to 128 characters"),
+    (lambda d: d.update(source=""), "source: expected 1 to 16 characters"),
+    (lambda d: d.update(cluster="c\u0000"), "cluster: expected string of at most 256 characters, no NUL"),
+    (lambda d: d["gpus"][0].update(name="\ud800"), "gpus[0].name: expected string of at most 256 characters"),
+    (lambda d: d.update(gpus=d["gpus"] * 129), "gpus: expected a non-empty list of at most 256 GPUs"),
 ])
 def test_read_record_names_the_file_and_the_field(tmp_path: Path, change: object, field: str) -> None:
     data = records.record_to_json(make_record())
@@ -305,6 +312,13 @@ def test_read_record_rejects_what_is_not_json(tmp_path: Path) -> None:
     path.write_text('{"version": 1, "cluster": ')
     with pytest.raises(ValueError, match=f"^{path}: not JSON"):
         read_record(str(path))
+    for text in ('{"version": NaN}', "[" * 100_000 + "]" * 100_000):  # no NaN, no stack overflow
+        with pytest.raises(ValueError, match="^where: not JSON"):
+            records.parse_record(text.encode(), "where")
+    text = json.dumps(records.record_to_json(make_record())).replace('"peak_gpu_mem_mib": 61952.0',
+                                                                      '"peak_gpu_mem_mib": 1e999')
+    with pytest.raises(ValueError, match="^where: peak_gpu_mem_mib: expected a finite number"):
+        records.parse_record(text.encode(), "where")
 
 
 def test_read_record_accepts_ints_for_floats_and_null_proc_memory(tmp_path: Path) -> None:

@@ -376,6 +376,20 @@ def test_gpu_records_trust_root_and_a_jobs_own_user_only(site: Site) -> None:
     assert own not in os.listdir(site.gpus)
 
 
+def test_read_only_gpu_spool_loads_and_says_it_cannot_remove(site: Site) -> None:
+    """A GPU spool made 2750 root:slurmgpu (group may read, not remove): records still load, the run
+    says which it could not remove, and loading them again changes nothing."""
+    os.chown(site.gpus, 0, grp.getgrnam(GROUP).gr_gid)
+    os.chmod(site.gpus, 0o2750)
+    path = gpu_records.write_record(gpu_record("103", 70000.0), site.gpus)
+    for _ in range(2):
+        res = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
+        assert res["code"] == 0 and "1 spool records loaded, 0 rejected" in res["stdout"], res
+        assert f"spool record {path}: loaded but not removed: Permission denied" in res["stderr"]
+    with db.make_engine(site.url).connect() as conn:
+        assert conn.execute(select(db.GpuUsage.job_id, db.GpuUsage.peak_mem_mib)).all() == [("103", 70000.0)]
+
+
 # --- the permission model ------------------------------------------------------------------------
 
 

@@ -271,7 +271,7 @@ def open_spool_file(path: str, max_bytes: int = MAX_RECORD_BYTES) -> SpoolFile |
     except FileNotFoundError:
         return None
     if kind != "regular file":
-        raise SetAside("not a regular file", f"a {kind}, not a regular file")
+        raise SetAside("not a regular file", f"a {kind}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
@@ -280,12 +280,12 @@ def open_spool_file(path: str, max_bytes: int = MAX_RECORD_BYTES) -> SpoolFile |
         raise _Unreadable() from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise SetAside("not a regular file", "a symbolic link, not a regular file") from None
+            raise SetAside("not a regular file", "a symbolic link") from None
         raise SetAside("unreadable", f"cannot open: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # replaced between lstat and open
-            raise SetAside("not a regular file", f"a {_kind_of(st.st_mode)}, not a regular file")
+            raise SetAside("not a regular file", f"a {_kind_of(st.st_mode)}")
         if st.st_nlink != 1:
             raise SetAside("hard link", f"{st.st_nlink} hard links (a record has exactly one)")
         if st.st_size > max_bytes:
