@@ -23,13 +23,63 @@ BUNDLE_VERSION = 1
 MIB = 1024.0
 
 
-class TreeEnsemble:
-    """CatBoost oblivious trees over float features: sum of one leaf per tree, scaled."""
+MAX_DEPTH = 16  # CatBoost's own limit for oblivious trees
 
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self.trees = [([(int(f), float(b)) for f, b in t["splits"]], [float(v) for v in t["leaves"]])
-                      for t in data["trees"]]
-        self.scale, self.bias = float(data["scale"]), float(data["bias"])
+
+class ModelFileError(ValueError):
+    """The model file is not a bundle this code can apply; the request is kept as written."""
+
+
+def _number(value: Any, where: str) -> float:
+    """A finite JSON number (not a boolean, string or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelFileError(f"{where}: expected a finite number, got {json.dumps(value)[:40]}")
+    return float(value)
+
+
+def _table(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{where}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _items(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ModelFileError(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
+class TreeEnsemble:
+    """CatBoost oblivious trees over float features: sum of one leaf per tree, scaled.
+
+    The trees are checked as they are read, so a file that would fail (or predict NaN) on some
+    job is refused when it is loaded: a feature index this code does not build, a leaf count
+    that is not 2 ** depth, a non-finite number.
+    """
+
+    def __init__(self, data: Any, where: str = "model") -> None:
+        data = _table(data, where)
+        self.trees: list[tuple[list[tuple[int, float]], list[float]]] = []
+        for i, t in enumerate(_items(data.get("trees"), f"{where}.trees")):
+            here = f"{where}.trees[{i}]"
+            t = _table(t, here)
+            splits = []
+            for split in _items(t.get("splits"), f"{here}.splits"):
+                if not isinstance(split, list) or len(split) != 2:
+                    raise ModelFileError(f"{here}.splits: expected [feature, border] pairs")
+                f = split[0]
+                if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < len(NUMERIC):
+                    raise ModelFileError(f"{here}: feature {json.dumps(f)[:40]} is not one of the "
+                                         f"{len(NUMERIC)} this code builds")
+                splits.append((f, _number(split[1], f"{here}.splits")))
+            leaves = [_number(v, f"{here}.leaves") for v in _items(t.get("leaves"), f"{here}.leaves")]
+            if len(splits) > MAX_DEPTH or len(leaves) != 1 << len(splits):
+                raise ModelFileError(f"{here}: {len(leaves)} leaves for depth {len(splits)} "
+                                     f"(an oblivious tree has 2 ** depth, depth at most {MAX_DEPTH})")
+            self.trees.append((splits, leaves))
+        if not self.trees:
+            raise ModelFileError(f"{where}.trees: no trees")
+        self.scale, self.bias = _number(data.get("scale"), f"{where}.scale"), _number(data.get("bias"), f"{where}.bias")
         self._arrays: Any = None
 
     def predict_many(self, rows: Sequence[Sequence[float]]) -> list[float]:
@@ -110,6 +160,35 @@ def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float |
     return peak * max(tokens / t0, 1.0) if t0 > 0 else peak
 
 
+def _no_constant(name: str) -> float:
+    raise ModelFileError(f"{name} in the model file: every number must be finite")
+
+
+# Family numbers that are exponentiated (math.exp overflows past ~709) or required by family_base_mib.
+_LOG_FIELDS = ("log_peak_max", "log_tokens_at_max", "log_peak_mean")
+
+
+def _stats(value: Any, where: str) -> dict[str, Mapping[str, Any]]:
+    """Per-family statistics: numbers, and the "shapes" the family ran on (a list of str)."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for key, stats in _table(value, where).items():
+        here = f"{where}[{json.dumps(key)[:40]}]"
+        for name, v in _table(stats, here).items():
+            if name == "shapes":
+                if not all(isinstance(s, str) for s in _items(v, f"{here}.shapes")):
+                    raise ModelFileError(f"{here}.shapes: expected a list of strings")
+            elif name in _LOG_FIELDS and abs(_number(v, f"{here}.{name}")) > 700:
+                raise ModelFileError(f"{here}.{name}: {v:g} is not a logarithm of any real size")
+            else:
+                _number(v, f"{here}.{name}")
+        if stats.get("n", 0) >= 1 and stats.get("b", 0.0) <= 0:
+            missing = [k for k in _LOG_FIELDS[:2] if k not in stats]
+            if missing:
+                raise ModelFileError(f"{here}: {', '.join(missing)} missing")
+        out[key] = stats
+    return out
+
+
 class Prediction(NamedTuple):
     peak_mem_mib: float  # per GPU, at the model's quantile
     runtime_s: float
@@ -119,21 +198,37 @@ class Bundle:
     """A trained model version: trees, feature list, history snapshot, metrics."""
 
     def __init__(self, data: Mapping[str, Any]) -> None:
+        """Check the whole bundle; every way it can be wrong is a ModelFileError (a ValueError)."""
+        data = _table(data, "model file")
         if data.get("version") != BUNDLE_VERSION:
-            raise ValueError(f"model bundle version {data.get('version')!r}, this code reads {BUNDLE_VERSION}")
-        if list(data.get("features", [])) != list(NUMERIC):
-            raise ValueError("model was trained with other features than this code builds (stale model): retrain")
+            raise ModelFileError(f"model bundle version {json.dumps(data.get('version'))[:40]}, "
+                                 f"this code reads {BUNDLE_VERSION}")
+        if data.get("features") != list(NUMERIC):
+            raise ModelFileError("model was trained with other features than this code builds (stale model): retrain")
         self.data = dict(data)
-        self.memory = TreeEnsemble(data["memory"])
-        self.runtime = TreeEnsemble(data["runtime"])
+        self.memory = TreeEnsemble(data.get("memory"), "memory")
+        self.runtime = TreeEnsemble(data.get("runtime"), "runtime")
+        history = _table(data.get("history"), "history")
         # Per-family history only: a bundle is world-readable, so it carries nothing per user.
-        self.history = HistoryStats(data["history"]["families"])
-        self.quantile = float(data["quantile"])
+        self.history = HistoryStats(_stats(history.get("families"), "history.families"))
+        self.quantile = _number(data.get("quantile"), "quantile")
+        if not 0.0 < self.quantile < 1.0:
+            raise ModelFileError(f"quantile: must be between 0 and 1, got {self.quantile:g}")
 
     @classmethod
     def load(cls, path: str) -> Bundle:
-        with open(path, encoding="utf-8") as fh:
-            return cls(json.load(fh))
+        """Read and check a model file; any unreadable or malformed file raises OSError or ValueError."""
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            return cls(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
+        except UnicodeDecodeError as exc:
+            raise ModelFileError(f"not UTF-8 text at byte {exc.start}") from None
+        except json.JSONDecodeError as exc:
+            raise ModelFileError(f"not JSON ({'truncated' if exc.pos >= len(exc.doc) else exc.msg}, "
+                                 f"line {exc.lineno} column {exc.colno})") from None
+        except RecursionError:
+            raise ModelFileError("not a model bundle: nested too deeply") from None
 
     def save(self, path: str) -> None:
         from slurmgpu.pipeline.spool import atomic_write

@@ -114,10 +114,14 @@ def load_config(path: str | os.PathLike[str], cache_dir: str | None = None) -> C
             cache = os.path.join(cache_dir, "config-" + path.replace("%", "%25").replace("/", "%2F") + ".json") \
                 if cache_dir else None
             raw = _cached(cache, key) if cache else None
-            if raw is None:
-                raw = _parse_toml(fh, path)
-                if cache:
-                    _store(cache, key, raw)
+            if raw is not None:
+                try:
+                    return parse_config(raw, path)
+                except Exception:  # noqa: BLE001 - the user's cache, edited or broken: the file decides
+                    pass
+            raw = _parse_toml(fh, path)
+            if cache:
+                _store(cache, key, raw)
     except FileNotFoundError:
         raise ConfigError("config file not found", file=path) from None
     except OSError as exc:
@@ -128,11 +132,18 @@ def load_config(path: str | os.PathLike[str], cache_dir: str | None = None) -> C
 def _parse_toml(fh: Any, path: str) -> dict[str, Any]:
     import tomllib  # only when the cache misses: the parser is a good part of gsbatch's start-up
 
+    data = fh.read()
     try:
-        return tomllib.load(fh)
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; a Latin-1 'é' in a comment is enough
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} cannot be decoded", file=path,
+                          line=line) from None
     except tomllib.TOMLDecodeError as exc:
         line = getattr(exc, "lineno", None)
         raise ConfigError(f"invalid TOML: {getattr(exc, 'msg', exc)}", file=path, line=line) from None
+    except RecursionError:  # thousands of nested arrays
+        raise ConfigError("invalid TOML: nested too deeply", file=path) from None
 
 
 def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
@@ -140,7 +151,7 @@ def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
     try:
         with open(cache, encoding="utf-8") as fh:
             stored = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if isinstance(stored, dict) and stored.get("key") == key and isinstance(stored.get("config"), dict):
         return stored["config"]
