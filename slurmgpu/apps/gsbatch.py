@@ -2,8 +2,10 @@
 
 Takes exactly sbatch's arguments plus ``--dry-run``, ``--diff``, ``--explain``,
 ``--no-rewrite`` and ``--gs-config=PATH``. The job always reaches sbatch: bad user input is
-refused with sbatch-style one-line errors (exit 1), and any failure of slurmgpu itself falls
-back to submitting the job exactly as written, with a warning.
+refused with sbatch-style one-line errors (exit 1), and any failure of slurmgpu itself (config,
+model, daemon, a bug) falls back to submitting the job exactly as written, stdin included, with
+one warning line and sbatch's own output and exit code. Nothing after sbatch has run (the
+submission record, a closed or broken stdout) can change that exit code.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
-from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.errors import ConfigError, InputError
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
 
@@ -85,8 +87,21 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
     return base._replace(script_args=tail)
 
 
-def _note(stream: TextIO, kind: str, text: str) -> None:
-    print(f"gsbatch: {kind}: {text}", file=stream)
+def _note(stream: TextIO | None, kind: str, text: str) -> None:
+    """One line on stderr, whatever the text holds; a closed or broken stderr loses the line,
+    never the job (and ``print(file=None)`` would write it to stdout)."""
+    if stream is None:
+        return
+    try:
+        print(f"gsbatch: {kind}: {' '.join(text.split(chr(10)))}", file=stream, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _fault(exc: BaseException) -> str:
+    """An unexpected exception in a few words: its type and the start of its message."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def explain_text(request: JobRequest, decision: Decision) -> str:
@@ -111,19 +126,28 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
     return "\n".join("gsbatch: explain: " + line for line in lines)
 
 
-def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None) -> Plan:
-    """Parse, decide and rewrite in this process; raises InputError for bad user input."""
+def read_stdin(stream: TextIO | None = None) -> bytes:
+    """The script sbatch would read from stdin, as bytes."""
+    stream = stream if stream is not None else sys.stdin
+    return stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
+
+
+def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None,
+         stdin_data: bytes | None = None) -> Plan:
+    """Parse, decide and rewrite in this process; raises InputError for bad user input.
+    A script on stdin is ``stdin_data`` when the caller already read it, else read here."""
     from slurmgpu.pipeline.plan import make_plan
     from slurmgpu.pipeline.script import parse_script, read_script
 
     script = None
-    stdin_data = None
+    if inv.wrap or inv.script is not None:
+        stdin_data = None
     if not inv.wrap:
         if inv.script is not None:
             script = read_script(inv.script)
         else:
-            stream = stdin if stdin is not None else sys.stdin
-            stdin_data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
+            if stdin_data is None:
+                stdin_data = read_stdin(stdin)
             script = parse_script(stdin_data, "<stdin>")
     features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
     made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags)
@@ -170,48 +194,152 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
     return None
 
 
-def submit(inv: Invocation, p: Mapping[str, Any], backend: SlurmBackend, env: Mapping[str, str]) -> Submitted:
-    """Hand the plan to sbatch; a rewritten script goes through a private temporary file
-    with the same name, so the job's default name and output file names do not change."""
-    sub = p["submission"]
-    # Tells the site's job_submit.lua hook that this job was already decided.
-    child_env = {**env, **sub["env_overrides"], DECIDED_MARKER: "1"}
-    if not sub["changed"]:
-        return backend.submit(inv.sbatch_words(), child_env, p["stdin"])
-    text = sub["script_text"]
-    data = text.encode("utf-8", "surrogateescape") if text is not None else None
-    if inv.script is None:
-        return backend.submit(inv.sbatch_words(sub["cli_words"]), child_env,
-                              data if p["stdin"] is not None else None)
-    import shutil
+class Outcome(NamedTuple):
+    """A plan checked field by field, whether made here or by the daemon: what gsbatch reports,
+    shows and submits. Anything of the wrong shape raised TypeError, and the job goes as written."""
+
+    refused: str | None
+    reasons: list[str]
+    notes: list[str]
+    changed: bool
+    script_text: str | None
+    cli_words: list[str]
+    env_overrides: dict[str, str]
+    original_text: str
+    stdin: bytes | None
+
+
+def _want(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"plan field {what} is {type(value).__name__}")
+    return value
+
+
+def _strings(value: Any, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"plan field {what} is not a list of strings")
+    return value
+
+
+def checked(inv: Invocation, p: Any) -> Outcome:
+    """The plan's fields, each of the type gsbatch needs (TypeError otherwise)."""
+    _want(p, dict, "plan")
+    decision, sub = _want(p.get("decision"), dict, "decision"), _want(p.get("submission"), dict, "submission")
+    overrides = _want(sub.get("env_overrides", {}), dict, "submission.env_overrides")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()):
+        raise TypeError("plan field submission.env_overrides is not a mapping of strings")
+    out = Outcome(_want(decision.get("refused"), (str, type(None)), "decision.refused"),
+                  _strings(decision.get("reasons", []), "decision.reasons"), _strings(p.get("notes", []), "notes"),
+                  _want(sub.get("changed"), bool, "submission.changed"),
+                  _want(sub.get("script_text"), (str, type(None)), "submission.script_text"),
+                  _strings(sub.get("cli_words"), "submission.cli_words"), dict(overrides),
+                  _want(p.get("original_text", ""), str, "original_text"),
+                  _want(p.get("stdin"), (bytes, type(None)), "stdin"))
+    if out.changed and not inv.wrap and out.script_text is None:
+        raise TypeError("plan changes the request but holds no script")
+    return out
+
+
+class _PassOn:
+    """``sys.stdout`` while sbatch runs (the backend passes sbatch's output on through it).
+
+    When gsbatch's stdout is closed, full or a broken pipe, sbatch's lines are dropped, as they
+    would be for sbatch itself, instead of failing a submission that has already happened: the
+    job keeps sbatch's exit code, and the private copy is not removed before sbatch has read it.
+    """
+
+    def __init__(self, real: TextIO | None) -> None:
+        self.real, self.broken = real, real is None
+        self.buffer = self
+
+    def write(self, data: bytes | str) -> int:
+        if not self.broken and self.real is not None:
+            try:
+                if isinstance(data, bytes):
+                    self.real.buffer.write(data)
+                else:
+                    self.real.write(data)
+            except (OSError, ValueError, AttributeError):
+                self.broken = True
+        return len(data)
+
+    def flush(self) -> None:
+        if not self.broken and self.real is not None:
+            try:
+                self.real.flush()
+            except (OSError, ValueError, AttributeError):
+                self.broken = True
+
+
+def run_sbatch(backend: SlurmBackend, words: Sequence[str], env: Mapping[str, str],
+               stdin: bytes | None = None) -> Submitted:
+    """sbatch, once. A failure of the backend itself is one error line and is never followed by
+    a second submission: sbatch may have run already."""
+    from slurmgpu.slurm.backend import SlurmError
+
+    real = sys.stdout
+    sys.stdout = cast(TextIO, _PassOn(real))
+    try:
+        return backend.submit(words, env, stdin)
+    except SlurmError as exc:  # sbatch could not be started; a shell says 127 of a missing command
+        _note(sys.stderr, "error", str(exc))
+        return Submitted(127)
+    except Exception as exc:  # noqa: BLE001 - after sbatch may have run: report, never resubmit
+        _note(sys.stderr, "error", f"sbatch did not run or report cleanly ({_fault(exc)}); "
+                                   "check squeue before submitting again")
+        return Submitted(1)
+    finally:
+        sys.stdout = real
+
+
+def as_written(inv: Invocation, backend: SlurmBackend, env: Mapping[str, str], stdin: bytes | None,
+               why: str) -> int:
+    """The fallback: the job exactly as the user wrote it (the bytes already read from stdin are
+    sent on), one warning line, and sbatch's exit code."""
+    _note(sys.stderr, "warning", f"{why}; submitting as written")
+    return run_sbatch(backend, inv.sbatch_words(), env, stdin).code
+
+
+def private_copy(script: str, data: bytes) -> tuple[str, str]:
+    """A rewritten script in a private temporary directory, under the script's own file name
+    (mode 0600), so the job's default name and output file names do not change."""
     import tempfile
 
     tmpdir = tempfile.mkdtemp(prefix="gsbatch-")
     try:
-        path = os.path.join(tmpdir, os.path.basename(inv.script))
+        path = os.path.join(tmpdir, os.path.basename(script))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data or b"")
-        return backend.submit(inv.sbatch_words(sub["cli_words"], path), child_env)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+            fh.write(data)
+    except BaseException:
+        _remove(tmpdir)
+        raise
+    return tmpdir, path
+
+
+def _remove(tmpdir: str) -> None:
+    import shutil
+
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Mapping[str, Any],
            result: Submitted) -> None:
-    """Leave a submission record in the spool for the ingest; never fails the submission."""
-    from slurmgpu.pipeline.spool import (
-        PERSONAL_SPOOL,
-        ensure_personal_spool,
-        new_record,
-        submission_spool,
-        write_record,
-    )
-
-    site = config.site if config else None
-    directory = submission_spool(site.submission_spool if site else None, env)
-    fields = p["record"]
+    """Leave a submission record in the spool for the ingest; never fails the submission
+    (no spool, a full disk, a plan without the record's fields: one warning line)."""
+    directory = "the submission spool"
     try:
+        from slurmgpu.pipeline.spool import (
+            PERSONAL_SPOOL,
+            ensure_personal_spool,
+            new_record,
+            submission_spool,
+            write_record,
+        )
+
+        site = config.site if config else None
+        directory = submission_spool(site.submission_spool if site else None, env)
+        fields = p["record"]
         if directory.startswith(os.path.expanduser(PERSONAL_SPOOL)):
             ensure_personal_spool(directory)
         write_record(directory, new_record(
@@ -221,12 +349,13 @@ def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Ma
                       "script_name": os.path.basename(inv.script) if inv.script else None,
                       "sbatch_options": list(inv.options), "wrap": inv.wrap},
             original_request=fields["original_request"], decision=fields["decision"], changed=fields["changed"]))
-    except (OSError, TypeError, ValueError) as exc:
-        _note(sys.stderr, "warning", f"submission record not written to {directory}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the job is in; the record is a nicety
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else _fault(exc)
+        _note(sys.stderr, "warning", f"submission record not written to {directory}: {why}")
 
 
 def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, backend: SlurmBackend,
-            decider: Decider | None) -> dict[str, Any]:
+            decider: Decider | None, stdin_data: bytes | None = None) -> dict[str, Any]:
     """The plan in JSON form: from the daemon when it answers, else made here (and explained,
     when asked). Raises InputError for bad user input."""
     if decider is None and config is not None:
@@ -237,13 +366,51 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
         from slurmgpu.apps.site import site_decider
 
         decider = site_decider(config, backend, env)
-    p = plan(inv, env, decider)
+    p = plan(inv, env, decider, stdin_data=stdin_data)
     if "--explain" in inv.flags and p.request is not None:
-        print(explain_text(p.request, p.decision), file=sys.stderr)
+        text = explain_text(p.request, p.decision)
+        try:
+            print(text, file=sys.stderr)
+        except (OSError, ValueError, AttributeError):
+            pass
     made = p.to_json()
     made["stdin"] = p.stdin
     made["original_text"] = p.request.script.text if p.request and p.request.script else ""
     return made
+
+
+def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None]:
+    """The site config; one that cannot be used (missing, unreadable, not UTF-8, invalid) gives
+    one warning and the keep decider, so the job goes as written (bad input is still refused)."""
+    try:
+        return load_site(inv.config, env), None
+    except Exception as exc:  # noqa: BLE001 - ConfigError, or any fault reading it
+        from slurmgpu.pipeline.policy import KeepDecider
+
+        why = str(exc) if isinstance(exc, ConfigError) else _fault(exc)
+        _note(sys.stderr, "warning", f"slurmgpu config unusable ({why}); submitting as written")
+        return None, KeepDecider("config unusable")
+
+
+def _show(inv: Invocation, out: Outcome) -> int:
+    """--dry-run / --diff: the script that would be submitted, or the diff, on stdout."""
+    new = out.script_text if out.script_text is not None else out.original_text
+    if "--diff" in inv.flags:
+        import difflib
+
+        name = inv.script or "<stdin>"
+        text = "".join(difflib.unified_diff(out.original_text.splitlines(True), new.splitlines(True),
+                                            name, name + " (gsbatch)"))
+    else:
+        text = new
+    try:
+        stream = sys.stdout.buffer
+        stream.write(text.encode("utf-8", "surrogateescape"))
+        stream.flush()
+    except (OSError, ValueError, AttributeError) as exc:
+        _note(sys.stderr, "error", f"cannot write to stdout: {getattr(exc, 'strerror', None) or _fault(exc)}")
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
@@ -251,72 +418,105 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ if env is None else env)
     backend = backend or CliBackend()
-    inv = parse_invocation(argv)
+    try:
+        inv = parse_invocation(argv)
+    except Exception as exc:  # noqa: BLE001 - a fault of ours: sbatch gets the words as typed
+        _note(sys.stderr, "warning", f"slurmgpu failed ({_fault(exc)}); submitting as written")
+        return run_sbatch(backend, argv, env).code
     if inv.pass_through:
-        code = backend.submit(inv.sbatch_words(), env).code
+        code = run_sbatch(backend, inv.sbatch_words(), env).code
         if {"--help", "-h"} & set(inv.options):
-            print(HELP, end="")
+            try:
+                print(HELP, end="")
+            except (OSError, ValueError, AttributeError):
+                pass
         return code
-    config = None
+    stdin_data = None
+    if inv.script is None and not inv.wrap:
+        try:
+            stdin_data = read_stdin()
+        except Exception as exc:  # noqa: BLE001 - sbatch reads whatever is left of stdin itself
+            return as_written(inv, backend, env, None, f"stdin not readable ({_fault(exc)})")
+    dry = bool({"--dry-run", "--diff"} & inv.flags)
+    config, fallback = _load(inv, env)
     try:
-        config = load_site(inv.config, env)
-    except InputError as exc:
-        from slurmgpu.pipeline.policy import KeepDecider
-
-        _note(sys.stderr, "warning", f"slurmgpu config unusable ({exc}); submitting as written")
-        decider = KeepDecider("config unusable")
-    try:
-        p = _decide(inv, env, config, backend, decider)
-    except InputError as exc:
-        _note(sys.stderr, "error", str(exc))
-        return 1
+        p = _decide(inv, env, config, backend, fallback or decider, stdin_data)
+        out = checked(inv, p)
     except Exception as exc:  # noqa: BLE001 - any slurmgpu fault must not stop the job
-        if "--dry-run" in inv.flags or "--diff" in inv.flags:
-            _note(sys.stderr, "error", f"slurmgpu failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, InputError) and not isinstance(exc, ConfigError):
+            _note(sys.stderr, "error", str(exc))  # the user's input: refused, as sbatch would
             return 1
-        _note(sys.stderr, "warning", f"slurmgpu failed ({type(exc).__name__}: {exc}); submitting as written")
-        return backend.submit(inv.sbatch_words(), env).code
-    decision, sub = p["decision"], p["submission"]
-    for text in p["notes"]:
+        if dry:
+            _note(sys.stderr, "error", f"slurmgpu failed: {_fault(exc)}")
+            return 1
+        return as_written(inv, backend, env, stdin_data, f"slurmgpu failed ({_fault(exc)})")
+    for text in out.notes:
         _note(sys.stderr, "note", text)
-    if decision["refused"]:
-        _note(sys.stderr, "error", f"{inv.script or 'job'}: {decision['refused']}")
+    if out.refused:
+        _note(sys.stderr, "error", f"{inv.script or 'job'}: {out.refused}")
         return 1
-    if sub["changed"]:
-        _note(sys.stderr, "note", f"GPU request changed: {'; '.join(decision['reasons'])}")
-        if list(sub["cli_words"]) != list(inv.options) or sub["env_overrides"]:
-            extra = " ".join(sub["cli_words"]) + "".join(f" {k}={v}" for k, v in sub["env_overrides"].items())
-            _note(sys.stderr, "note", f"sbatch options now: {extra.strip()}")
-    if "--dry-run" in inv.flags or "--diff" in inv.flags:
-        original = p["original_text"]
-        new = sub["script_text"] if sub["script_text"] is not None else original
-        out = sys.stdout.buffer
-        if "--diff" in inv.flags:
-            import difflib
-
-            name = inv.script or "<stdin>"
-            diff = difflib.unified_diff(original.splitlines(True), new.splitlines(True), name, name + " (gsbatch)")
-            out.write("".join(diff).encode("utf-8", "surrogateescape"))
+    if dry:
+        _change_notes(inv, out)
+        return _show(inv, out)
+    words, data, tmpdir = inv.sbatch_words(), out.stdin, None
+    if out.changed:
+        data = out.script_text.encode("utf-8", "surrogateescape") if out.script_text is not None else None
+        if inv.script is None:
+            words, data = inv.sbatch_words(out.cli_words), data if out.stdin is not None else None
         else:
-            out.write(new.encode("utf-8", "surrogateescape"))
-        out.flush()
-        return 0
-    result = submit(inv, p, backend, env)
+            try:
+                tmpdir, path = private_copy(inv.script, data or b"")
+            except Exception as exc:  # noqa: BLE001 - no space, no writable TMPDIR: nothing sent yet
+                return as_written(inv, backend, env, None, f"rewritten script not written ({_fault(exc)})")
+            words, data = inv.sbatch_words(out.cli_words, path), None
+    _change_notes(inv, out)
+    # Tells the site's job_submit.lua hook that this job was already decided.
+    child_env = {**env, **out.env_overrides, DECIDED_MARKER: "1"}
+    try:
+        result = run_sbatch(backend, words, child_env, data)
+    finally:
+        if tmpdir is not None:
+            _remove(tmpdir)
     if "--test-only" not in inv.options:
         record(config, env, inv, p, result)
     return result.code
 
 
+def _change_notes(inv: Invocation, out: Outcome) -> None:
+    if out.changed:
+        _note(sys.stderr, "note", f"GPU request changed: {'; '.join(out.reasons)}")
+        if out.cli_words != list(inv.options) or out.env_overrides:
+            extra = " ".join(out.cli_words) + "".join(f" {k}={v}" for k, v in out.env_overrides.items())
+            _note(sys.stderr, "note", f"sbatch options now: {extra.strip()}")
+
+
 def entry() -> None:
+    _open_closed_streams()
     try:
         code = main()
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:  # noqa: BLE001 - past every fallback: still one line, never a traceback
+        _note(sys.stderr, "error", f"internal error ({_fault(exc)})")
+        code = 1
     # Everything gsbatch wrote is flushed and its files are closed: skip the interpreter's
-    # teardown of every loaded module, a few milliseconds of each submission.
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except OSError:
-        code = code or 1
+    # teardown of every loaded module, a few milliseconds of each submission. A stdout that
+    # cannot take the rest drops it, as sbatch's own would: the exit code stays sbatch's.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
     os._exit(code)
+
+
+def _open_closed_streams() -> None:
+    """A standard stream closed when gsbatch started (``gsbatch job.sh >&-``) is None in Python,
+    and ``print(file=None)`` would write to stdout: put /dev/null in its place (it takes the
+    closed descriptor, lowest first), as reading or writing the closed stream would come to."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            try:
+                setattr(sys, name, open(os.devnull, mode))  # noqa: SIM115 - lives until os._exit
+            except OSError:
+                pass
