@@ -45,7 +45,8 @@ def test_a_plain_script_keeps_its_count() -> None:
 
 
 def test_comments_and_directives_do_not_count() -> None:
-    script = HEAD + "# torchrun --nproc_per_node=8 was too many\n#SBATCH --ntasks=4\ntorchrun --nproc_per_node=gpu t.py\n"
+    script = HEAD + "# torchrun --nproc_per_node=8 was too many\n#SBATCH --ntasks=4\n" \
+        "torchrun --nproc_per_node=gpu t.py\n"
     assert count_may_change(script)[0]
 
 
