@@ -119,3 +119,28 @@ def test_collector_record_matches_array_task_by_raw_id(db_url: str) -> None:
     rows = {r["job_id"]: r for r in job_rows(engine)}
     assert (rows["5_1"]["peak_gpu_mem_mib"], rows["5_1"]["max_gpu_util"]) == (5000.0, 90.0)
     assert rows["7"]["peak_gpu_mem_mib"] == 700.0 and rows["7"]["gpu_usage_source"] == "collector"
+
+
+def test_a_record_the_database_refuses_keeps_no_other_out(db_url: str, tmp_path: Path) -> None:
+    """When the store refuses a batch (here: a record another ingest stored meanwhile, which the
+    admission check did not see), each record is retried alone: the others land, that one is a
+    duplicate, and no transaction is left aborted."""
+    engine = db.make_engine(db_url)
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    recs = [spool.new_record(cluster="c1", job_id=None, script_sha256=None, sbatch_exit=1, features={"i": i},
+                             original_request=None, decision={}, changed=False) for i in range(3)]
+    for rec in recs:
+        spool.write_record(str(spool_dir), rec)
+    opened = ingest.open_spool_file(str(spool_dir / f"sub-{recs[1]['record_id']}.json"))
+    assert opened is not None
+    first = ingest.parse_submission(opened)
+    with engine.begin() as conn:  # the concurrent ingest
+        conn.execute(db.Submission.__table__.insert(), [first])
+    blind = ingest.SUBMISSIONS._replace(
+        admit=lambda conn, items, trusted, now: [ingest._Verdict(ingest.STORE)] * len(items))
+    report = ingest.drain_spool(engine, str(spool_dir), blind)
+    assert (report.files_loaded, report.files_duplicate, report.files_rejected) == (2, 1, [])
+    assert os.listdir(spool_dir) == []
+    with engine.connect() as conn:
+        assert sorted(conn.execute(select(db.Submission.record_id)).scalars()) == sorted(r["record_id"] for r in recs)
