@@ -201,7 +201,7 @@ class ModelDecider:
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.pipeline.features import job_features, script_features
-        from slurmgpu.pipeline.launch import count_may_change
+        from slurmgpu.pipeline.launch import launch_need
 
         rule = self.rules.decide(request)
         if rule.refusal:
@@ -225,8 +225,8 @@ class ModelDecider:
         if not offered:
             return self._keep(rule, "model: partition unknown to the config; request kept")
         req_type, req_total = comp.gpu_type, comp.gpus_total
-        # Another count only where the launch follows it (pipeline/launch.py); else only the type.
-        recount, _ = count_may_change(request.script.text, per_task=comp.gpus[0].per == "task")
+        # Fewer GPUs only as far as the launch follows (pipeline/launch.py); else only the type changes.
+        fewest = launch_need(request.script.text, per_task=comp.gpus[0].per == "task").min_gpus or req_total
         free = self.free_gpus()
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
         options: list[tuple[GpuType, int, dict[str, float]]] = []
@@ -234,8 +234,8 @@ class ModelDecider:
             for gtype in part.gpu_types:
                 gt = self.config.gpu_types[gtype]
                 gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
-                counts = range(1, min(req_total, part.gpus_per_node) + 1) if comp.nodes == 1 and recount \
-                    else [req_total]
+                counts = range(min(fewest, req_total), min(req_total, part.gpus_per_node) + 1) \
+                    if comp.nodes == 1 else [req_total]
                 # only counts the user's unit can say: 3 GPUs over 2 tasks is no --gpus-per-task value
                 counts = [c for c in counts if c % comp.multiplier(comp.gpus[0].per) == 0]
                 options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history)) for c in counts)
