@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import subprocess
 import sys
@@ -9,6 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_rewrite import edge_body_line, edge_free_line
 
 from slurmgpu.apps import gsbatch
 from slurmgpu.pipeline.policy import ComponentChange, Decision
@@ -174,3 +179,108 @@ def test_config_init_from_the_live_cluster_then_check_matches(tmp_path: Path, sa
     assert res.returncode == 0 and "matches the live cluster" in res.stdout, res.stdout + res.stderr
     again = run(["slurmgpu", "config", "init", "--out", str(out)], tmp_path, sample_config)
     assert again.returncode == 1 and "--force" in again.stderr
+
+
+def batch_script(job_id: str) -> bytes:
+    """The script exactly as slurmctld stored it."""
+    return subprocess.run(["scontrol", "write", "batch_script", job_id, "-"], capture_output=True,
+                          check=True).stdout
+
+
+def test_a_script_without_final_newline_is_rewritten_and_accepted(tmp_path: Path, sample_config: Path,
+                                                                   submitted: list[str]) -> None:
+    """The probe's script: '#!/bin/bash# slurmgpu: ...' once made it a bad interpreter."""
+    p = tmp_path / "nonl.sh"
+    p.write_bytes(b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1")
+    dry = subprocess.run(["gsbatch", "--dry-run", str(p)], capture_output=True, cwd=tmp_path, check=True,
+                         env={"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config)}).stdout
+    res = run(["gsbatch", "--hold", "--parsable", str(p)], tmp_path, sample_config)
+    assert res.returncode == 0, res.stderr
+    submitted.append(job_id_of(res.stdout))
+    assert batch_script(submitted[-1]) == dry
+    assert dry.startswith(b"#!/bin/bash\n# slurmgpu: ") and dry.endswith(b"#SBATCH --gres=gpu:t4:1\n"
+                                                                         b"#SBATCH --partition=gpu-small")
+    info = job_info(submitted[-1])
+    assert info["Partition"] == "gpu-small" and "gres/gpu:t4=1" in info["TRES"]
+
+
+@pytest.mark.parametrize(("data", "accepted"), [
+    (b"#!/bin/bash\r\n#SBATCH --gres=gpu:t4:1\r\nsrun x\r\n", False),  # DOS line breaks: sbatch refuses
+    (b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1\r# a lone CR\nsrun x\r", True),  # a lone CR is whitespace
+])
+def test_carriage_returns_are_refused_or_kept_as_sbatch_does(tmp_path: Path, sample_config: Path,
+                                                            submitted: list[str], data: bytes,
+                                                            accepted: bool) -> None:
+    p = tmp_path / "cr.sh"
+    p.write_bytes(data)
+    plain = subprocess.run(["sbatch", "--hold", "--parsable", str(p)], capture_output=True, text=True, check=False)
+    ours = run(["gsbatch", "--hold", "--parsable", str(p)], tmp_path, sample_config)
+    for res in (plain, ours):
+        if res.returncode == 0:
+            submitted.append(job_id_of(res.stdout))
+    assert (plain.returncode == 0) == accepted and (ours.returncode == 0) == accepted, (plain.stderr, ours.stderr)
+    assert "Traceback" not in ours.stderr
+    if not accepted:
+        assert ours.stdout == "" and "DOS line breaks" in ours.stderr and "DOS line breaks" in plain.stderr
+    else:
+        assert job_info(submitted[-1])["Partition"] == "gpu-small"  # the rules moved t4 there
+
+
+# Edge-case scripts for the live sbatch: the generator of test_rewrite's byte-faithfulness
+# property, with options this cluster accepts.
+SLURM_GPU_OPTIONS = ["--gres=gpu:a100:1", "-G a100:1", "--gpus-per-node=a100:1", "--gres=gpu:1", "--gpus 1"]
+SLURM_OTHER_OPTIONS = ["-t 5", "-J 'a job'", "-c 1", "-N 1", "--comment='{{ not a template }}'", "-p gpu"]
+
+
+@st.composite
+def live_edge_scripts(draw: st.DrawFn) -> tuple[bytes, list[str], bool]:
+    lines = ["#!/bin/bash"]
+    opts = draw(st.lists(st.sampled_from(SLURM_OTHER_OPTIONS), max_size=3, unique=True))
+    cli: list[str] = []
+    if draw(st.booleans()):
+        opts.append(draw(st.sampled_from(SLURM_GPU_OPTIONS)))
+    else:
+        cli = draw(st.sampled_from([["--gres=gpu:1"], ["-G", "a100:1"], ["--gpus-per-node=1"]]))
+    for opt in draw(st.permutations(opts)):
+        if draw(st.booleans()):
+            lines.append(draw(edge_free_line))
+        lines.append("#SBATCH " + opt + draw(st.sampled_from(["", "  # trailing", "\t"])))
+    lines += draw(st.lists(edge_body_line, max_size=2))
+    text = "\n".join(lines) + draw(st.sampled_from(["\n", ""]))
+    return text.encode("utf-8", "surrogateescape"), cli, draw(st.booleans())
+
+
+class MoveToT4:
+    """A decision that changes type, count and partition, whatever the request."""
+
+    name = "fixed"
+
+    def decide(self, request) -> Decision:
+        return Decision((ComponentChange(0, "t4", 2, "gpu-small"),), ("edge test",), decider=self.name)
+
+
+@settings(max_examples=8, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=live_edge_scripts())
+def test_sbatch_accepts_rewritten_edge_case_scripts_with_the_decided_tres(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: tuple[bytes, list[str], bool]) -> None:
+    data, cli, on_stdin = case
+    p = tmp_path / "edge.sh"
+    p.write_bytes(data)
+    tag = f"edge-{os.urandom(6).hex()}"
+    words = ["--hold", f"--comment={tag}", *cli]
+    env = {"PATH": "/usr/bin:/bin", "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path), "SLURMGPU_SOCKET": "/nonexistent"}
+    expect = gsbatch.plan(gsbatch.parse_invocation([*words, str(p)]), env, MoveToT4()).submission.script_text
+    if on_stdin:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    code = gsbatch.main(words if on_stdin else [*words, str(p)], env=env, backend=CliBackend(), decider=MoveToT4())
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%k"], capture_output=True, text=True, check=True).stdout
+    ids = [line.split("|")[0] for line in out.splitlines() if line.endswith("|" + tag)]
+    try:
+        assert code == 0 and len(ids) == 1, (code, ids, data)
+        assert batch_script(ids[0]) == expect.encode("utf-8", "surrogateescape"), data
+        info = job_info(ids[0])
+        assert info["Partition"] == "gpu-small" and "gres/gpu:t4=2" in info["TRES"], (info["TRES"], data, cli)
+    finally:
+        if ids:
+            subprocess.run(["scancel", *ids], check=False)

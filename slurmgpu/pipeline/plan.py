@@ -61,7 +61,13 @@ def record_fields(plan: Plan) -> dict[str, Any]:
     from slurmgpu.pipeline.features import hexdigest, script_features
 
     script = plan.request.script if plan.request else None
+    features = None
+    if script is not None:
+        try:
+            features = script_features(script.text)
+        except ValueError:  # e.g. a byte that is not UTF-8 in the command: the record goes without
+            features = None
     return {"script_sha256": hexdigest("sha256", script.data) if script else None,
-            "script_features": script_features(script.text) if script else None,
+            "script_features": features,
             "original_request": plan.request.to_json() if plan.request else None,
             "decision": plan.decision.to_json(), "changed": plan.submission.changed}
