@@ -385,7 +385,8 @@ def test_lua_render_validates_and_quotes(tmp_path: Path) -> None:
 
 def test_contrib_samples_are_current_renders(tmp_path: Path) -> None:
     runner = CliRunner()
-    assert runner.invoke(lua_group, ["render", "--out", str(tmp_path / "job_submit.lua")]).exit_code == 0
+    assert runner.invoke(lua_group, ["render", "--out", str(tmp_path / "job_submit.lua")],
+                         env={"SLURMGPU_CONFIG": str(SAMPLE)}).exit_code == 0
     assert (tmp_path / "job_submit.lua").read_text() == (ROOT / "contrib" / "lua" / "job_submit.lua").read_text()
     res = runner.invoke(render_serve_cmd, ["--out", str(tmp_path), "--bin", "/usr/local/bin/slurmgpu"])
     assert res.exit_code == 0, res.output

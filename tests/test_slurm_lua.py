@@ -46,16 +46,17 @@ GARBAGE = [
 ]
 
 
-def render_hook(path: Path, *options: str) -> Path:
-    res = CliRunner().invoke(lua_group, ["render", "--out", str(path), *options])
+def render_hook(path: Path, *options: str, config: Path | None = SAMPLE) -> Path:
+    env = {"SLURMGPU_CONFIG": str(config) if config else None}  # None: unset (and no /etc/slurmgpu here)
+    res = CliRunner().invoke(lua_group, ["render", "--out", str(path), *options], env=env)
     assert res.exit_code == 0, res.output
     return path
 
 
 @contextmanager
-def stand_in(path: str, kind: str) -> Iterator[None]:
+def stand_in(path: str, kind: str, answers: list[bytes] = GARBAGE) -> Iterator[None]:
     """Something at the socket that is not a working daemon: 'stale' (a dead socket file),
-    'hung' (accepts, never answers) or 'garbage' (answers each request with the next of GARBAGE)."""
+    'hung' (accepts, never answers) or 'garbage' (answers each request with the next of ``answers``)."""
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     os.chmod(path, 0o666)
@@ -82,7 +83,7 @@ def stand_in(path: str, kind: str) -> Iterator[None]:
             try:
                 conn.settimeout(1)
                 conn.recv(1 << 20)
-                conn.sendall(GARBAGE[n % len(GARBAGE)])
+                conn.sendall(answers[n % len(answers)])
             except OSError:
                 pass
             n += 1
@@ -256,6 +257,65 @@ def test_a_broken_daemon_leaves_jobs_as_submitted_within_the_timeout(lua: Path, 
     assert log.count("error: slurmgpu: ") == len(jobs), log
 
 
+HOSTILE = [  # well-formed answers the config or Slurm would not allow
+    b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:h100:100000"}}}\n',
+    b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:v100:100000"}}}\n',
+    b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:t4:1"}}}\n',  # t4 is not in partition gpu
+    b'{"ok": true, "decision": {"apply": {"partition": "debug"}}}\n',  # not in the config
+    b'{"ok": true, "decision": {"apply": {"partition": "gpu", "tres_per_node": "gpu:t4:1"}}}\n',
+    b'{"ok": true, "decision": {"apply": {"partition": "gpu", "tres_per_node": "gpu:a100:5"}}}\n',
+]
+
+
+def test_answers_out_of_bounds_are_not_applied(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "0")
+    jobs = [job(tres_per_node="gres:gpu:v100:1", partition="gpu")] * 3 + [MOVED] * 3
+    with stand_in(sock, "garbage", HOSTILE):
+        out, log = run_hook(lua, hook, jobs)
+    for o, j in zip(out, jobs, strict=True):
+        assert o.rc == 0 and o.fields == {k: j.get(k) for k in TRES}, (o, log)
+    assert log.count("error: slurmgpu: ") == len(jobs), log
+    for why in ("GPU type h100 is not in the slurmgpu config", "100000 GPUs", "not offered in partition gpu",
+                "partition debug is not in the slurmgpu config", "5 GPUs in tres_per_node exceed the 4"):
+        assert why in log, (why, log)
+
+
+def test_a_partition_the_user_may_not_use_or_too_short_is_not_applied(lua: Path, sock: str, tmp_path: Path) -> None:
+    """slurmctld lists only the partitions the user may use, with their MaxTime (minutes)."""
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "0")
+    driver = tmp_path / "driver.lua"
+    driver.write_text(lua.read_text().replace(
+        'local parts = { gpu = { flag_default = 1 }, ["gpu-small"] = { flag_default = 0 } }',
+        'local parts = { ["gpu-small"] = { flag_default = 1, max_time = 60 } }'))
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(driver, hook, [MOVED])
+    assert out[0].fields["partition"] == "gpu-small" and "not one this job's user may use" in log
+    driver.write_text(lua.read_text().replace("gpu = { flag_default = 1 }",
+                                              "gpu = { flag_default = 1, max_time = 60 }"))
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(driver, hook, [{**MOVED, "time_limit": 120}, {**MOVED, "time_limit": 60}])
+    assert out[0].fields["partition"] == "gpu-small" and "exceeds MaxTime 60 min of partition gpu" in log
+    assert out[1].fields["partition"] == "gpu"
+
+
+def test_a_hook_rendered_without_a_config_applies_nothing(lua: Path, sock: str, tmp_path: Path) -> None:
+    if os.path.exists("/etc/slurmgpu/slurmgpu.toml"):
+        pytest.skip("a system config is installed: a render always finds one")
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, config=None)
+    assert "local SITE = nil" in hook.read_text()
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, [MOVED])
+    assert out[0].fields["partition"] == "gpu-small" and "rendered without a slurmgpu config" in log
+
+
+def test_a_huge_script_is_cut_to_fit_the_request_limit(lua: Path, sock: str, tmp_path: Path) -> None:
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock)
+    script = "#!/bin/bash\n#SBATCH -p gpu-small\n" + "echo \"\t\"\n" * 60000 + "python train.py\n"  # escapes grow it
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, [{**MOVED, "script": script}])
+    assert out[0].fields["partition"] == "gpu" and "error" not in log, log
+
+
 def test_after_a_failure_jobs_pass_unasked_for_the_backoff(lua: Path, sock: str, tmp_path: Path) -> None:
     hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "30")
     with stand_in(sock, "hung"):
@@ -316,13 +376,16 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         **sample.partitions, "debug": Partition("debug", ("a100", "v100"), 4, 1, False)}))
     model = work / "model.json"
     quick_bundle(config).save(str(model))
+    config_file = work / "slurmgpu.toml"  # the hook checks answers against the config it was rendered with
+    config_file.write_text(SAMPLE.read_text() + '\n[partitions.debug]\ngpu_types = ["a100", "v100"]\n'
+                           'gpus_per_node = 4\nnodes = 1\n')
     directory = tempfile.mkdtemp(prefix="slurmgpu-lua-", dir="/run")
     os.chmod(directory, 0o755)
     script = work / "resnet.sh"
     script.write_text(script_for("resnet", 16, 1000, "a100"))
     jobs: list[str] = []
     install(render_hook(work / "hook.lua", "--socket", f"{directory}/slurmgpu.sock", "--partitions", "debug",
-                        "--backoff-s", "0"))
+                        "--backoff-s", "0", config=config_file))
     try:
         yield Site(f"{directory}/slurmgpu.sock", config, str(model), script, jobs)
     finally:

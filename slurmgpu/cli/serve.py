@@ -41,6 +41,15 @@ def lua_set(names: list[str]) -> str:
     return "{" + ", ".join(f"[{lua_string(n)}] = true" for n in names) + "}"
 
 
+def lua_site(config: Any) -> str:
+    """The config's GPU types and partitions as a Lua table (every name an escaped string)."""
+    parts = ",\n".join(
+        f"        [{lua_string(p.name)}] = {{ types = {lua_set(list(p.gpu_types))}, per_node = {int(p.gpus_per_node)}, "
+        f"total = {int(p.gpus_per_node) * int(p.nodes)} }}" for p in config.partitions.values())
+    return (f"{{\n    types = {lua_set(list(config.gpu_types))},\n    partitions = {{\n{parts},\n    }},\n}}"
+            if parts else f"{{ types = {lua_set(list(config.gpu_types))}, partitions = {{}} }}")
+
+
 def render(template: str, **values: Any) -> str:
     import jinja2
 
@@ -124,12 +133,28 @@ def lua_group() -> None:
 @click.option("--accounts", metavar="A,B", help="Only jobs of these accounts (default: all).")
 @click.option("--users", metavar="U,V", help="Only jobs of these users, names or uids (default: all).")
 @click.option("--disabled", is_flag=True, help="Render a hook that passes every job through.")
-def lua_render(out: str, socket_path: str, timeout_ms: int, backoff_s: int, dry_run: bool, partitions: str | None,
-               accounts: str | None, users: str | None, disabled: bool) -> None:
-    """Write job_submit.lua for slurmctld (needs Debian's lua-socket on the slurmctld host)."""
-    from slurmgpu.apps.site import DECIDED_MARKER
+@click.pass_context
+def lua_render(ctx: click.Context, out: str, socket_path: str, timeout_ms: int, backoff_s: int, dry_run: bool,
+               partitions: str | None, accounts: str | None, users: str | None, disabled: bool) -> None:
+    """Write job_submit.lua for slurmctld (needs Debian's lua-socket on the slurmctld host).
 
-    text = render("lua/job_submit.lua.j2", enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
+    The site config's GPU types and partitions are written into the hook, which checks every
+    answer of the daemon against them; render again when they change. Without a config the hook
+    applies no answer."""
+    from slurmgpu.apps.site import DECIDED_MARKER
+    from slurmgpu.pipeline.config import find_config, load_config
+
+    root = ctx.find_root().obj
+    path = find_config(root.get("config_path") if isinstance(root, dict) else None)
+    site = "nil"
+    if path is None:
+        click.echo("warning: no slurmgpu config found: the hook will apply no answer (pass --config)", err=True)
+    else:
+        try:
+            site = lua_site(load_config(path))
+        except InputError as exc:
+            fail(exc)
+    text = render("lua/job_submit.lua.j2", site=site, enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
                   socket=_check("--socket", socket_path), timeout_ms=timeout_ms, backoff_s=backoff_s,
                   marker=DECIDED_MARKER, partitions=_names("--partitions", partitions),
                   accounts=_names("--accounts", accounts), users=_names("--users", users))

@@ -18,11 +18,16 @@ local CONFIG = {
     users = {["ann"] = true, ["1001"] = true},       -- names or numeric uids; empty: everyone
 }
 
+-- The slurmgpu config when rendered: every answer is checked against it before it is applied
+-- (GPU types, per-partition types and counts). nil: rendered without a config, no answer is applied.
+local SITE = nil
+
 local TIMEOUT_S = CONFIG.timeout_ms / 1000
-local MAX_SCRIPT = 262144  -- bytes of script sent, whole lines (the directives come first)
+local MAX_REQUEST = 262143  -- bytes of one request line: the daemon refuses longer ones
 local MAX_REPLY = 65536
+local NO_VAL = 4294967294
 local TRES = { "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }
-local STRINGS = { "partition", "account", "qos", "name", "features", "user_name" }
+local STRINGS = { "partition", "account", "qos", "name", "features", "req_nodes", "user_name" }
 local NUMBERS = { "num_tasks", "min_nodes", "max_nodes", "ntasks_per_node", "cpus_per_task",
                   "sockets_per_node", "time_limit", "user_id" }
 local IS_TRES = {}
@@ -50,14 +55,11 @@ local function quote(text)
 end
 
 local function encode_job(job_desc)
-    local script = job_desc.script
-    if #script > MAX_SCRIPT then
-        script = script:sub(1, MAX_SCRIPT):match("^(.*\n)") or ""
-    end
-    local fields = { '"script":' .. quote(script) }
+    local fields = {}
     for _, list in ipairs({ TRES, STRINGS }) do
         for _, key in ipairs(list) do
             local value = job_desc[key]
+            if key == "account" and value == nil then value = job_desc.default_account end  -- what Slurm will use
             if type(value) == "string" then fields[#fields + 1] = quote(key) .. ":" .. quote(value) end
         end
     end
@@ -67,7 +69,15 @@ local function encode_job(job_desc)
             fields[#fields + 1] = quote(key) .. ":" .. string.format("%d", value)
         end
     end
-    return '{"op":"decide","job":{' .. table.concat(fields, ",") .. "}}\n"
+    local rest = table.concat(fields, ",")
+    -- The script, cut at a line end until the escaped request fits (the directives come first).
+    local script = job_desc.script
+    local text = quote(script)
+    while #text + #rest + 40 > MAX_REQUEST and #script > 0 do
+        script = script:sub(1, math.floor(#script / 2)):match("^(.*\n)") or ""
+        text = quote(script)
+    end
+    return '{"op":"decide","job":{"script":' .. text .. (rest ~= "" and "," or "") .. rest .. "}}\n"
 end
 
 local UNESCAPE = { b = "\b", f = "\f", n = "\n", r = "\r", t = "\t", ['"'] = '"', ["\\"] = "\\", ["/"] = "/" }
@@ -130,7 +140,7 @@ local function decode_value(s, i, depth)
             local sep = s:sub(i, i)
             if sep == close then return result, i + 1 end
             if sep ~= "," then error("expected ',' or '" .. close .. "'") end
-            i = i + 1
+            i = skip(s, i + 1)
         end
     elseif c == '"' then
         return decode_string(s, i)
@@ -228,15 +238,50 @@ local function replace_gpu(current, value)
     return done and table.concat(out, ",") or nil
 end
 
-local function changes_for(job_desc, apply)
+local function default_partition(part_list)
+    for name, part in pairs(part_list or {}) do
+        if part.flag_default == 1 then return name end
+    end
+    return nil
+end
+
+-- The same checks as slurmgpu.pipeline.validate.check_decision, against the rendered config and
+-- slurmctld's own partition list (only partitions this user may use; their MaxTime).
+local function check_gpu(field, value, partition)
+    local gtype, count = value:match("^gpu:([%w_.%-]+):(%d+)$")
+    if not gtype then count = value:match("^gpu:(%d+)$") end
+    count = tonumber(count)
+    local part = SITE.partitions[partition or ""]
+    if not part then return "the job's partition " .. tostring(partition) .. " is not in the slurmgpu config" end
+    if gtype and not SITE.types[gtype] then return "GPU type " .. gtype .. " is not in the slurmgpu config" end
+    if gtype and not part.types[gtype] then return "GPU type " .. gtype .. " is not offered in partition " .. partition end
+    local limit = field == "tres_per_job" and part.total or part.per_node
+    if not count or count < 1 or count > limit then
+        return string.format("%s GPUs in %s exceed the %d partition %s has", tostring(count), field, limit, partition)
+    end
+    return nil
+end
+
+local function changes_for(job_desc, apply, part_list)
     if type(apply) ~= "table" then return nil, "no 'apply' object" end
+    if next(apply) and SITE == nil then return nil, "hook rendered without a slurmgpu config: answers not applied" end
+    local partition = job_desc.partition or default_partition(part_list)
     local changes = {}
     for field, value in pairs(apply) do
         local new
         if type(value) ~= "string" then
             return nil, "non-string value for " .. tostring(field)
         elseif field == "partition" and value:match("^[%w_.%-]+$") then
+            if not SITE.partitions[value] then return nil, "partition " .. value .. " is not in the slurmgpu config" end
+            local part = (part_list or {})[value]
+            if not part then return nil, "partition " .. value .. " is not one this job's user may use" end
+            local limit, asked = part.max_time, job_desc.time_limit
+            if type(limit) == "number" and type(asked) == "number" and asked < NO_VAL and limit < NO_VAL
+                    and asked > limit then
+                return nil, string.format("time limit %d min exceeds MaxTime %d min of partition %s", asked, limit, value)
+            end
             new = value
+            partition = value
         elseif IS_TRES[field] and (value:match("^gpu:%d+$") or value:match("^gpu:[%w_.%-]+:%d+$")) then
             new = job_desc[field] and replace_gpu(job_desc[field], value)
             if not new then return nil, tostring(field) .. " holds no GPU entry" end
@@ -245,17 +290,16 @@ local function changes_for(job_desc, apply)
         end
         if new ~= job_desc[field] then changes[#changes + 1] = { field = field, old = job_desc[field], new = new } end
     end
+    for field, value in pairs(apply) do
+        if IS_TRES[field] then
+            local problem = check_gpu(field, value, partition)
+            if problem then return nil, problem end
+        end
+    end
     return changes
 end
 
 -- Which jobs: batch jobs asking for GPUs, not decided by gsbatch, in the covered scope.
-
-local function default_partition(part_list)
-    for name, part in pairs(part_list or {}) do
-        if part.flag_default == 1 then return name end
-    end
-    return nil
-end
 
 local function in_scope(job_desc, part_list)
     if next(CONFIG.partitions) then
@@ -301,7 +345,7 @@ local function decide(job_desc, part_list)
     local decision, err, broken = consult(job_desc)
     local changes
     if decision then
-        changes, err = changes_for(job_desc, decision.apply)
+        changes, err = changes_for(job_desc, decision.apply, part_list)
         broken = not changes
     end
     if not changes then
