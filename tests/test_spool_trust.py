@@ -166,7 +166,9 @@ def site(accounts: None, db_url: str) -> Iterator[Site]:
     s = Site(db_url, _spool_dir("sg-subs-"), _spool_dir("sg-gpus-"))
     made += [s.subs, s.gpus]
     warm = tempfile.mkdtemp()  # import everything the ingest imports while root can still read the interpreter
-    cli_ingest(f"sqlite:///{warm}/w.db", warm, warm)
+    db.upgrade(f"sqlite:///{warm}/w.db")
+    write(warm, record(None))
+    assert "1 spool records loaded" in cli_ingest(f"sqlite:///{warm}/w.db", warm, warm)["stdout"]
     shutil.rmtree(warm)
     yield s
     for path in made:
