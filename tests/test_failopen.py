@@ -306,6 +306,7 @@ FAULTS: dict[str, Fault] = {
     "config-cache:truncated": Fault("decided"),
     **{f"model:{w}": Fault("written", MODEL_UNUSABLE) for w in (*MODEL_FAULTS, "directory")},
     "model:list (stdin)": Fault("written", MODEL_UNUSABLE, stdin=True),
+    "model:unknown-feature (stdin)": Fault("written", MODEL_UNUSABLE, stdin=True),
     "model:overflow": Fault("written", "slurmgpu failed (OverflowError"),
     "model:overflow (stdin)": Fault("written", "slurmgpu failed (OverflowError", stdin=True),
     **{f"daemon:{w}": Fault("decided") for w in DAEMON_FAULTS if w != "wrong-shape"},
