@@ -211,3 +211,20 @@ def test_the_world_readable_bundle_holds_no_per_user_statistics(trained, tmp_pat
     for user in ("ann", "bob", "cy"):  # the history's users
         assert f'"{user}"' not in text
     assert oct(path.stat().st_mode & 0o777) == "0o644"
+
+
+def test_unseen_types_and_counts_are_hardware_plausible(config) -> None:
+    """The issue's example: a family that only ever ran on V100 must not see an A100 predicted slower
+    than the V100 (the old x1.6 doubt on unseen shapes did that), nor faster than the speed ratio says."""
+    rows = [r for r in history(1200) if r["script"]["family"] != script_features(
+        script_for("resnet", 16, 1000, "a100"))["family"] or r["gpu_type"] == "v100"]
+    bundle, _ = train.fit(rows, config, quantile=0.995, iterations=200)
+    text = script_for("resnet", 16, 1000, "v100").replace("--gres=gpu:v100:1", "--gres=gpu:v100:4")
+    d = decide(bundle, config, text, free={"a100": 4, "v100": 4, "t4": 4})
+    table = {(c.gpu_type, c.gpus): c.pred_runtime_s for c in d.per_type}
+    assert set(table) == {("a100", 4), ("v100", 4)}  # gpu partition; a plain script keeps its count
+    speed = {t: config.gpu_types[t].relative_speed for t in ("a100", "v100")}
+    assert table[("a100", 4)] <= table[("v100", 4)]
+    assert table[("a100", 4)] >= table[("v100", 4)] * speed["v100"] / speed["a100"] * 0.999
+    for change in d.changes:
+        assert change.gpus_total in (None, 4)

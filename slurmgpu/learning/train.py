@@ -167,13 +167,25 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in known)
     calibration = max(gaps[min(int(math.ceil(quantile * (len(gaps) + 1))) - 1, len(gaps) - 1)], 0.0)
     progress(f"runtime model on {len(run)} jobs")
-    m_run = CatBoostRegressor(iterations=iterations, depth=6, loss_function="RMSE", verbose=0,
+
+    def runtime_model(part: list[dict[str, Any]]) -> Any:
+        m = CatBoostRegressor(iterations=iterations, depth=6, loss_function="RMSE", verbose=0,
                               allow_writing_files=False, thread_count=2, random_seed=0)
-    m_run.fit([e["x"] for e in run], [math.log(max(e["elapsed"], 1)) for e in run])
+        m.fit([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part])
+        return m
+
+    # How far newer jobs ran beyond what a model of older ones predicted: the margin a changed
+    # request must keep to its time limit (a median prediction alone times out half the misses).
+    cut = int(len(run) * 0.8)
+    probe = runtime_model(run[:cut])
+    over = sorted(math.log(max(e["elapsed"], 1)) - p for e, p in
+                  zip(run[cut:], probe.predict([e["x"] for e in run[cut:]]), strict=True))
+    spread = max(over[min(int(0.95 * len(over)), len(over) - 1)], 0.0) if over else 0.0
+    m_run = runtime_model(run)
     bundle = Bundle({
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": _shifted(TreeEnsemble.from_catboost(m_mem), calibration),
-        "runtime": TreeEnsemble.from_catboost(m_run),
+        "runtime": TreeEnsemble.from_catboost(m_run), "runtime_spread": spread,
         "history": {"families": snapshot.families},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
         "jobs": len(examples),

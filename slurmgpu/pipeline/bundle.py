@@ -211,6 +211,9 @@ class Bundle:
         history = _table(data.get("history"), "history")
         # Per-family history only: a bundle is world-readable, so it carries nothing per user.
         self.history = HistoryStats(_stats(history.get("families"), "history.families"))
+        # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
+        # a changed request keeps to its time limit. Older bundles have none.
+        self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
         self.quantile = _number(data.get("quantile"), "quantile")
         if not 0.0 < self.quantile < 1.0:
             raise ModelFileError(f"quantile: must be between 0 and 1, got {self.quantile:g}")

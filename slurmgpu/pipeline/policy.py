@@ -192,8 +192,12 @@ class ModelDecider:
     unseen_penalty = 1.6  # memory and runtime on a type or count the job family has never run on
 
     def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
-                 user: str | None = None, admits: Admits | None = None) -> None:
+                 user: str | None = None, admits: Admits | None = None,
+                 wait: Callable[[str, int], float] | None = None) -> None:
+        """``wait(type, gpus)``: expected seconds until that many GPUs of the type start the job, from
+        the queue (pipeline/queue.py); without it, idle GPUs now or ``busy_wait_s``."""
         self.config, self.bundle, self.free_gpus, self.user, self.admits = config, bundle, free_gpus, user, admits
+        self.wait = wait
         self.rules = RuleDecider(config, admits)
 
     def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = ()) -> Decision:
@@ -226,8 +230,9 @@ class ModelDecider:
             return self._keep(rule, "model: partition unknown to the config; request kept")
         req_type, req_total = comp.gpu_type, comp.gpus_total
         # Fewer GPUs only as far as the launch follows (pipeline/launch.py); else only the type changes.
-        fewest = launch_need(request.script.text, per_task=comp.gpus[0].per == "task").min_gpus or req_total
-        free = self.free_gpus()
+        need = launch_need(request.script.text, per_task=comp.gpus[0].per == "task").min_gpus
+        fewest = need or req_total
+        free = self.free_gpus() if self.wait is None else {}
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
         options: list[tuple[GpuType, int, dict[str, float]]] = []
         for part in offered:
@@ -242,12 +247,21 @@ class ModelDecider:
         preds = self.bundle.predict_many([f for _, _, f in options], sf["family"])
         # A type or count the family never ran on is a prediction from other families: doubt it more.
         seen = set(self.bundle.history.family(sf["family"]).get("shapes", ())) | {f"{req_total}x{req_type}"}
+        asked_pred = next((p for (gt, c, _), p in zip(options, preds, strict=True)
+                           if (gt.name, c) == (req_type, req_total)), None)
         table = []
         for (gt, c, _), pred in zip(options, preds, strict=True):
-            doubt = 1.0 if f"{c}x{gt.name}" in seen else self.unseen_penalty
-            peak, runtime = pred.peak_mem_mib * doubt, pred.runtime_s * doubt
+            known = f"{c}x{gt.name}" in seen
+            peak = pred.peak_mem_mib * (1.0 if known else self.unseen_penalty)
+            if known:
+                runtime = pred.runtime_s
+            elif asked_pred is None or req_type is None:
+                runtime = pred.runtime_s * self.unseen_penalty
+            else:
+                runtime = self._plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
+                                                  gt.name, c, min(need or req_total, req_total))
             table.append(Candidate(gt.name, c, peak * (1 + policy.memory_margin) <= gt.memory_gib * 1024, peak,
-                                   runtime, 0.0 if free.get(gt.name, 0) >= c else self.busy_wait_s))
+                                   runtime, self._expected_wait(gt.name, c, free)))
         per_type = tuple(table)
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
         if not asked:
@@ -291,11 +305,34 @@ class ModelDecider:
                f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits")
         return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
 
+    def _plausible_runtime(self, model_s: float, asked_s: float, asked_type: str, asked_gpus: int,
+                           gpu_type: str, gpus: int, used: int) -> float:
+        """Runtime on a shape the family never ran on, held to the hardware: scaled from the
+        family's own requested shape by the config's relative speed and by the GPUs the launch
+        uses (``used``), the model's figure kept only where it is more cautious. A card or count
+        faster on paper is never predicted slower than the request, a slower one never faster
+        than its speed ratio says (issue: no faster card predicted slower without evidence)."""
+        speed = self.config.gpu_types
+        scale = (speed[asked_type].relative_speed / max(speed[gpu_type].relative_speed, 1e-9)
+                 * min(asked_gpus, used) / max(min(gpus, used), 1))
+        prior = asked_s * scale
+        if scale <= 1.0:
+            return min(max(model_s, prior), asked_s)
+        return max(model_s, prior)
+
+    def _expected_wait(self, gpu_type: str, gpus: int, free: Mapping[str, int]) -> float:
+        if self.wait is not None:
+            return self.wait(gpu_type, gpus)
+        return 0.0 if free.get(gpu_type, 0) >= gpus else self.busy_wait_s
+
     def _in_time(self, c: Candidate, baseline: Candidate, limit_s: int | None) -> bool:
-        """A change must not push the job past its own time limit (it would be killed)."""
+        """A change must not push the job past its own time limit (it would be killed): the predicted
+        runtime with the margin newer jobs overran their predictions by (the bundle's runtime
+        spread), at least ``scaling_factor``."""
         if limit_s is None or c == baseline:
             return True
-        return c.pred_runtime_s * self.config.policy.scaling_factor <= limit_s
+        margin = max(self.config.policy.scaling_factor, math.exp(getattr(self.bundle, "runtime_spread", 0.0)))
+        return c.pred_runtime_s * margin <= limit_s
 
     def _mem_gib(self, gtype: str | None) -> float:
         t = self.config.gpu_types.get(gtype or "")

@@ -20,9 +20,11 @@ The policies:
 - ``slurmgpu``: ``ModelDecider`` with a bundle trained (``train.fit``) on the first
   ``train_share`` of the jobs by submit time, their rows built as ``train.history_rows`` returns
   them from what the collector and sacct would have recorded on the requested GPUs. Only the rest
-  is evaluated, under every policy. ``free_gpus`` is a constant: every GPU of every type free,
-  so the decider ranks by predicted runtime and cost alone (no queue awareness). When training is
-  impossible it falls back to ``RuleDecider`` and says so.
+  is evaluated, under every policy. Its expected wait per type comes from a queue ledger
+  (``pipeline/queue.py``) as the live daemon builds it from squeue: every earlier evaluated job
+  holds the GPUs it was placed on from when they free up, for its predicted runtime (capped by its
+  time limit; ``QUEUE_RUNTIME_SHARE`` of the limit when the decider predicted none); true
+  runtimes are never seen. When training is impossible it falls back to ``RuleDecider`` and says so.
 - ``oracle``: knows each job's true peak memory and runtime. Among the types whose partition
   admits the time limit, and counts up to the request, that truly fit, it picks the one with the
   earliest estimated completion (a first-come-first-served ledger of its own earlier choices
@@ -48,6 +50,7 @@ from slurmgpu.pipeline.bundle import analytic_base_mib
 from slurmgpu.pipeline.config import Config, GpuType, Partition, Policy
 from slurmgpu.pipeline.features import script_features
 from slurmgpu.pipeline.policy import Decider, ModelDecider, RuleDecider
+from slurmgpu.pipeline.queue import GpuLedger
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
 from slurmgpu.reporting.queries import IDLE_UTIL_PCT
@@ -76,6 +79,9 @@ from slurmgpu.simulation.workload.schedule import Outcome
 from slurmgpu.simulation.workload.schedule import simulate as history_runs
 
 RULE_SAFETY = 1.2
+# Of its time limit, how long the queue ledger expects a job without a prediction to run (sites'
+# accounting typically shows median runtime well under half the limit; half errs towards waiting).
+QUEUE_RUNTIME_SHARE = 0.5
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")  # as train.history_rows keeps them
 
 
@@ -213,13 +219,24 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
         for pool in part.pools:
             capacity[pool.gres] = capacity.get(pool.gres, 0) + len(pool.hosts) * pool.gpus_per_node
     deciders: dict[str, Decider] = {}
+    hosts: dict[tuple[str, tuple[str, ...]], int] = {}
+    for part in cluster.partitions:
+        for pool in part.pools:
+            hosts[(pool.gres, pool.hosts)] = pool.gpus_per_node
+    nodes: dict[str, list[int]] = {}
+    for (gres, names), per_node in hosts.items():
+        nodes.setdefault(gres, []).extend([per_node] * len(names))
+    ledger = GpuLedger(nodes)
+    clock = [0.0]  # the submit time being decided, seconds from the first evaluated job
+    t0 = jobs[0].submit_time if jobs else datetime(1970, 1, 1)
     try:
         bundle, _ = fit(training_rows(train, cluster, features, requests), config, iterations=iterations,
                         progress=progress)
         used = "model"
 
         def decider(user: str) -> Decider:
-            return ModelDecider(config, bundle, lambda: capacity, user)
+            return ModelDecider(config, bundle, lambda: capacity, user,
+                                wait=lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, clock[0]))
     except (ValueError, ImportError) as exc:
         used = f"rules (fallback: {exc})"
         progress(f"cannot train the model decider ({exc}); falling back to the rule decider")
@@ -230,13 +247,16 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
     to_type = {pool.gres: pool.gpu_type for part in cluster.partitions for pool in part.pools}
     decided: dict[tuple[str, str], Outcome] = {}  # (user, script): an array's tasks are one decision
     placed, changed, infeasible = {}, 0, 0
+    runtimes: dict[tuple[str, str], dict[tuple[str, int], float]] = {}
     for job in jobs:
         key = (job.user, job.script)
+        clock[0] = (job.submit_time - t0).total_seconds()
         if key not in decided:
             choice = Outcome(job.req_gpu_type, job.req_gpus)
             if job.user not in deciders:
                 deciders[job.user] = decider(job.user)
             decision = deciders[job.user].decide(requests[job.script])
+            runtimes[key] = {(c.gpu_type, c.gpus): c.pred_runtime_s for c in decision.per_type}
             if decision.changes and not decision.refusal:
                 change = decision.changes[0]
                 gres = change.gpu_type or cluster.gres_name(job.req_gpu_type)
@@ -247,6 +267,9 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
                     infeasible += 1
             decided[key] = choice
         placed[job.job_id] = decided[key]
+        gres = cluster.gres_name(decided[key].gpu_type)
+        expected = runtimes[key].get((gres, decided[key].gpus), QUEUE_RUNTIME_SHARE * job.time_limit_s)
+        ledger.reserve(gres, decided[key].gpus, clock[0], min(expected, job.time_limit_s))
         changed += placed[job.job_id] != (job.req_gpu_type, job.req_gpus)
     note = f"{used}; changed {changed:,} of {len(jobs):,} jobs"
     return placed, used, note + (f"; {infeasible} decisions beyond a node kept as asked" if infeasible else "")

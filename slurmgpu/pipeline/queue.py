@@ -1,0 +1,48 @@
+"""Expected wait per GPU type from the queue: when each GPU frees up, and what waits before.
+
+A constant "busy" wait makes every type look the same once none is idle, so the decider cannot
+tell a type with one short job ahead from one with a day of queued demand. This ledger holds,
+per node of each type, the time each GPU becomes free; running jobs fill it up to their expected
+end, pending jobs in priority order take the earliest GPUs after them (first come, first served,
+as Slurm's main scheduler does for jobs of equal priority), and a new job's wait is when a node
+first has enough GPUs free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+
+class GpuLedger:
+    """Per GPU type, per node, the times (s, any common origin) its GPUs become free."""
+
+    def __init__(self, nodes: Mapping[str, Iterable[int]]) -> None:
+        """``nodes``: GPU type -> GPUs per node of each node holding that type."""
+        self.free = {t: [[0.0] * n for n in per_node] for t, per_node in nodes.items()}
+
+    def _earliest(self, gpu_type: str, gpus: int) -> tuple[float, list[float] | None]:
+        best, where = math.inf, None
+        for node in self.free.get(gpu_type, ()):
+            if len(node) >= gpus:
+                ready = sorted(node)[gpus - 1]
+                if ready < best:
+                    best, where = ready, node
+        return best, where
+
+    def wait(self, gpu_type: str, gpus: int, now: float = 0.0) -> float:
+        """Seconds from NOW until one node has GPUS of GPU_TYPE free (inf: no node that large)."""
+        ready, _ = self._earliest(gpu_type, gpus)
+        return max(0.0, ready - now)
+
+    def reserve(self, gpu_type: str, gpus: int, now: float, duration: float) -> float:
+        """Book GPUS of GPU_TYPE on the node that frees them first, from then for DURATION;
+        returns the start. Nothing is booked where no node is that large."""
+        ready, node = self._earliest(gpu_type, gpus)
+        if node is None:
+            return math.inf
+        start = max(now, ready)
+        order = sorted(range(len(node)), key=node.__getitem__)[:gpus]
+        for i in order:
+            node[i] = start + duration
+        return start
