@@ -414,3 +414,62 @@ def test_cli_generate(tmp_path: Path) -> None:
     assert sum(line.split("|")[0].endswith(".batch") for line in (out / "sacct.txt").read_text().splitlines()) == n
     result = CliRunner().invoke(workload_group, ["generate", "--out", str(out), "--days", "2"])
     assert result.exit_code == 1 and "not empty" in result.stderr
+
+
+# ---- a history a real cluster could produce ---------------------------------------------------------
+
+def _waits_h(runs: list) -> list[float]:
+    return sorted((r.start - r.job.submit_time).total_seconds() / 3600 for r in runs)
+
+
+def _no_gpu_runs_two_jobs(runs: list) -> None:
+    """No GPU (host, index) holds two jobs at once."""
+    by_gpu: dict[tuple[str, int], list[tuple[datetime, datetime]]] = collections.defaultdict(list)
+    for r in runs:
+        for index in r.gpu_indices:
+            by_gpu[(r.host, index)].append((r.start, r.end))
+    for spans in by_gpu.values():
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+
+
+def test_demo_history_is_plausible(tmp_path: Path) -> None:
+    """The month `make demo` ingests: nothing ends after the moment it is ingested, queue waits of
+    hours (not weeks), runtimes within their limits, no GPU running two jobs at once."""
+    from slurmgpu.apps import demo
+
+    hist = demo.generate_history(tmp_path / "history")
+    runs = hist.emitted.runs
+    assert len(runs) > 0.9 * len(hist.submitted) > 1000
+    assert all(j.submit_time < hist.cut <= h.submit_time for j in hist.submitted for h in hist.held_back[:1])
+    for r in runs:
+        assert r.job.submit_time <= r.start <= r.end <= hist.cut, r.job.job_id
+        assert r.elapsed_s <= r.job.time_limit_s + 2 * CAT.value("timeout_overrun_s")
+    with open(hist.emitted.sacct_path, encoding="utf-8") as f:
+        parsed = [row for row in sacct.parse_lines(f, sacct.FIELDS)]
+    assert all(isinstance(row, sacct.JobRecord) for row in parsed) and len(parsed) == len(runs)
+    assert max(row.values["end_time"] for row in parsed if isinstance(row, sacct.JobRecord)) <= hist.cut
+    assert len(os.listdir(hist.emitted.spool_dir)) == len(runs)  # a collector record per ended job
+    waits = _waits_h(runs)
+    patience = CAT.value("queue_patience_h")
+    assert waits[len(waits) // 2] < patience / 2  # median: hours
+    assert waits[int(0.99 * len(waits))] <= 2 * patience and waits[-1] <= 3 * patience  # p99: about a day
+    _no_gpu_runs_two_jobs(runs)
+    gpus = sum(len(p.hosts) * p.gpus_per_node for part in DEFAULT_CLUSTER.partitions for p in part.pools)
+    span_h = (hist.cut - min(j.submit_time for j in hist.submitted)).total_seconds() / 3600
+    assert 0.2 < sum(r.gpus * r.elapsed_s for r in runs) / 3600 / (gpus * span_h) < 1.0  # busy, not over capacity
+
+
+def test_users_hold_back_on_an_overloaded_cluster() -> None:
+    """Asked for 25 jobs per GPU a day, users do not queue for weeks: no single job waits longer than
+    their patience, fewer jobs are submitted, and GPUs are busy most of the time."""
+    days, per_day = 14, 300
+    jobs = generate(DEFAULT_CLUSTER, START, days, seed=6, jobs_per_day=per_day)
+    assert 0.2 * days * per_day < len(jobs) < 0.9 * days * per_day
+    runs = simulate(jobs, DEFAULT_CLUSTER)
+    singles = [r for r in runs if r.job.array is None]
+    assert max(_waits_h(singles)) <= CAT.value("queue_patience_h") + 1 / 3600  # + the 1 s start latency
+    assert _waits_h(runs)[-1] <= 3 * CAT.value("queue_patience_h")  # sweeps are sized to the pool
+    _no_gpu_runs_two_jobs(runs)
+    a100 = [r for r in runs if r.gpu_type == "A100-80"]
+    assert sum(r.gpus * r.elapsed_s for r in a100) / (4 * days * 86400) > 0.6

@@ -13,7 +13,7 @@ import os
 import shutil
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -60,23 +60,42 @@ class _Offline(CliBackend):
         return {"a100": 4, "v100": 4, "t4": 4}
 
 
-def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = None) -> dict[str, Any]:
-    """Run the demo; returns the held-out metrics and gsbatch's plans (script -> decision)."""
+class History(NamedTuple):
+    """The demo's generated month: what was submitted before the cut, what sacct holds at the cut
+    (jobs that ended by then), and the next day's jobs, held back as new submissions."""
+
+    submitted: list[Any]  # JobSpec
+    emitted: Any  # workload.emit's Emitted: the runs written to sacct.txt and the spool
+    held_back: list[Any]  # JobSpec
+    cut: datetime  # naive UTC: the history is ingested at this moment
+
+
+def generate_history(out: Path, seed: int = 1, days: int = DAYS, jobs_per_day: float = JOBS_PER_DAY,
+                     end: datetime = END) -> History:
+    """``days`` of jobs up to ``end`` on the local cluster; all but the last day written under ``out``
+    as sacct text, collector records and scripts, as an ingest at the cut (``end`` - 1 day) sees them."""
     from slurmgpu.simulation.workload import DEFAULT_CLUSTER, emit, generate
 
+    cut = end - timedelta(days=1)
+    jobs = generate(DEFAULT_CLUSTER, end - timedelta(days=days), days, seed, jobs_per_day=jobs_per_day)
+    history = [j for j in jobs if j.submit_time < cut]
+    emitted = emit(str(out), history, DEFAULT_CLUSTER, until=cut)
+    return History(history, emitted, [j for j in jobs if j.submit_time >= cut], cut)
+
+
+def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = None) -> dict[str, Any]:
+    """Run the demo; returns the held-out metrics and gsbatch's plans (script -> decision)."""
     console = console or Console()
     shutil.rmtree(out, ignore_errors=True)
     (out / "spool" / "submissions").mkdir(parents=True)
     config_path = demo_config(out)
     config = load_config(config_path)
     url = config.site.database_url
-    now = END  # a fixed window, so the demo's numbers are reproducible
 
-    jobs = generate(DEFAULT_CLUSTER, now - timedelta(days=DAYS), DAYS, seed, jobs_per_day=JOBS_PER_DAY)
-    held_back = [j for j in jobs if j.submit_time >= now - timedelta(days=1)]
-    history = [j for j in jobs if j.submit_time < now - timedelta(days=1)]
-    emit(str(out / "history"), history, DEFAULT_CLUSTER)
-    console.print(f"[bold]1. history[/bold]: {len(history)} jobs over {DAYS - 1} days generated "
+    generated = generate_history(out / "history", seed)  # a fixed window, so the demo's numbers are reproducible
+    history, held_back = generated.submitted, generated.held_back
+    console.print(f"[bold]1. history[/bold]: {len(history)} jobs submitted over {DAYS - 1} days, "
+                  f"{len(generated.emitted.runs)} of them ended by {generated.cut:%Y-%m-%d %H:%M} UTC, generated "
                   f"(scripts, sacct text, GPU collector records) in {out / 'history'}")
 
     for job in history:  # what gsbatch would have recorded at submission

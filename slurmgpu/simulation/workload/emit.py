@@ -130,16 +130,20 @@ def spool_record(run: Run, cluster: ClusterSpec) -> records.JobRecord:
 
 
 class Emitted(NamedTuple):
-    runs: list[Run]
+    runs: list[Run]  # those written: every job, or those ended by ``until``
     scripts_dir: str
     sacct_path: str
     spool_dir: str
 
 
 def emit(out_dir: str, jobs: Sequence[JobSpec], cluster: ClusterSpec,
-         outcomes: Mapping[str, Outcome] | None = None) -> Emitted:
-    """Simulate ``jobs`` on their outcomes and write scripts/, sacct.txt and spool/ under ``out_dir``."""
-    runs = simulate(jobs, cluster, outcomes)
+         outcomes: Mapping[str, Outcome] | None = None, until: datetime | None = None) -> Emitted:
+    """Simulate ``jobs`` on their outcomes and write scripts/, sacct.txt and spool/ under ``out_dir``.
+
+    With ``until`` (naive UTC), the history is the one an ingest at that moment loads: jobs still
+    queued or running then are left out of sacct.txt and spool/ (the collector writes its record
+    when a job ends; the next night's ingest would load them), so no job ends after ``until``."""
+    runs = [r for r in simulate(jobs, cluster, outcomes) if until is None or r.end <= until]
     scripts, spool = os.path.join(out_dir, "scripts"), os.path.join(out_dir, "spool")
     os.makedirs(scripts, exist_ok=True)
     os.makedirs(spool, exist_ok=True)

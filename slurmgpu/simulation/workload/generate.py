@@ -24,6 +24,7 @@ from slurmgpu.simulation.workload.catalog import Family, load_catalog
 from slurmgpu.simulation.workload.cluster import ClusterSpec
 from slurmgpu.simulation.workload.jobs import JobSpec
 from slurmgpu.simulation.workload.perf import fits, host_rss_mib, peak_mem_mib, run_model
+from slurmgpu.simulation.workload.schedule import Scheduler
 from slurmgpu.simulation.workload.scripts import ScriptStyle, render
 
 K = TypeVar("K")
@@ -78,6 +79,10 @@ class _Gen:
         self.biggest = self._largest(self.types)  # where jobs that fit nothing else go
         self.flagship = self._largest(self.default_types)  # what "biggest" users ask for
         self.next_id = cluster.first_job_id
+        self.capacity = {t: 0 for t in self.types}  # GPUs per type
+        for part in cluster.partitions:
+            for pool in part.pools:
+                self.capacity[pool.gpu_type] = max(self.capacity[pool.gpu_type], len(pool.hosts) * pool.gpus_per_node)
 
     def a(self, name: str) -> Any:
         return self.cat.value(name)
@@ -205,6 +210,10 @@ class _Gen:
 
     # ---- submissions ---------------------------------------------------------------------------
 
+    def req_gpus(self, user: User, proj: Project) -> int:
+        """The GPUs the next submission of ``proj`` asks for."""
+        return self._probe(user, self.cat.families[proj.family], proj.params, proj.req_type).req_gpus
+
     def submit(self, user: User, proj: Project, when: datetime) -> tuple[list[JobSpec], Project]:
         """One submission (a single job or an array) and the project as its user then sees it."""
         rng, fam = self.rng, self.cat.families[proj.family]
@@ -221,10 +230,18 @@ class _Gen:
         limit = min(part.max_time_s, self._time_limit(user, runtime, proj.limit_factor))
         probe = probe._replace(time_limit_s=limit)
 
-        tasks, array, lrs = 1, None, None
+        tasks, throttle, array, lrs = 1, 0, None, None
         if user.sweeper and fam.mode == "train" and rng.random() < self.a("sweep_share"):
             tasks = int(_pick(rng, self.a("array_sizes")))
             throttle = int(_pick(rng, self.a("array_throttle")))
+            # a sweep is sized so that its last task starts within the user's patience on an idle pool:
+            # no sixteen 4-GPU day-long tasks on a node of four GPUs
+            parallel = max(1, self.capacity[proj.req_type] // probe.req_gpus)
+            if throttle:
+                parallel = min(parallel, throttle)
+            rounds = 1 + int(self.a("queue_patience_h") * 3600.0 // max(runtime, 1.0))
+            tasks = min(tasks, parallel * rounds)
+        if tasks > 1:
             array = f"0-{tasks - 1}" + (f"%{throttle}" if throttle else "")
             lrs = tuple(fam.lr[i % len(fam.lr)] for i in range(tasks))
         probe = probe._replace(array=array)
@@ -314,7 +331,14 @@ class _Backlog:
 
 def generate(cluster: ClusterSpec, start: datetime, days: float, seed: int,
              jobs_per_day: float | None = None) -> list[JobSpec]:
-    """Jobs submitted to ``cluster`` over ``days`` from ``start`` (naive UTC), in submission order."""
+    """Jobs submitted to ``cluster`` over ``days`` from ``start`` (naive UTC), in submission order.
+
+    ``jobs_per_day`` (default: the cluster's) is what users would submit. They see the queue, as
+    ``squeue`` shows it: nobody submits a job that would wait more than ``queue_patience_h`` for
+    its GPUs (another user submits, or nobody does then), so on a cluster too small for the rate
+    fewer jobs are submitted and queues stay hours long, as on real clusters, instead of growing for
+    as long as submissions exceed capacity. The queue is the one ``simulate`` will produce for the
+    requested GPUs: a job's start depends only on the jobs submitted before it."""
     gen = _Gen(cluster, seed)
     cat, rng = gen.cat, gen.rng
     users = gen.users()
@@ -327,6 +351,8 @@ def generate(cluster: ClusterSpec, start: datetime, days: float, seed: int,
     events = max(1, round(target / (1 + array_share * (mean_tasks - 1))))
     projects: dict[str, list[Project]] = {u.name: [] for u in users}
     backlog = _Backlog(cluster, gen.a("user_backlog_share"))
+    queue = Scheduler(cluster)
+    patience = timedelta(hours=gen.a("queue_patience_h"))
     jobs: list[JobSpec] = []
     for when in gen.submit_times(start, days, events):
         for _ in range(20):  # another user submits while this one's queue is long
@@ -337,11 +363,18 @@ def generate(cluster: ClusterSpec, start: datetime, days: float, seed: int,
                 proj = gen.rerun(user, mine[index])
             else:
                 index, proj = len(mine), gen.new_project(user)
-            if not backlog.full(user.name, proj.req_type, when):
+            if backlog.full(user.name, proj.req_type, when):
+                continue
+            gpus = gen.req_gpus(user, proj)
+            if queue.start_of(proj.req_type, gpus, when) - when <= patience:
                 break
+        else:
+            continue  # every would-be submitter holds back: nobody submits now
         if index == len(mine):
             mine.append(proj)
         submitted, mine[index] = gen.submit(user, proj, when)
         backlog.add(user.name, proj.req_type, when, len(submitted) * submitted[0].req_gpus * proj.runtime_s)
+        for job in submitted:
+            queue.place(job)
         jobs.extend(submitted)
     return jobs

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from slurmgpu.simulation.workload.catalog import load_catalog
-from slurmgpu.simulation.workload.cluster import ClusterSpec
+from slurmgpu.simulation.workload.cluster import ClusterSpec, PartitionSpec
 from slurmgpu.simulation.workload.jobs import JobSpec
 from slurmgpu.simulation.workload.perf import fits, host_rss_mib, peak_mem_mib, run_model, used_gpus
 
@@ -77,44 +77,68 @@ def _ending(job: JobSpec, gpu_type: str, gpus: int) -> tuple[str, int, float, fl
     return state, code, max(1.0, elapsed), peak, model.util(elapsed)
 
 
-def simulate(jobs: Sequence[JobSpec], cluster: ClusterSpec,
-             outcomes: Mapping[str, Outcome] | None = None) -> list[Run]:
-    """Run every job on its outcome (by job id; the requested GPUs where none is given)."""
-    outcomes = outcomes or {}
-    latency = timedelta(seconds=load_catalog().value("queue_latency_s"))
-    free: dict[tuple[str, str], list[datetime]] = {}  # (gpu type, host) -> when each GPU frees up
-    task_ends: dict[str, list[datetime]] = {}  # array job -> its tasks' ends, for %N throttles
-    runs = []
-    for job in sorted(jobs, key=lambda j: j.submit_time):
-        gpu_type, gpus = outcomes.get(job.job_id, Outcome(job.req_gpu_type, job.req_gpus))
-        partition = cluster.partition_for(gpu_type, job.partition)
-        pool = cluster.pool(gpu_type, partition.name)
+class Scheduler:
+    """The placement ``simulate`` does, one job at a time, so that the workload generator can see
+    the queue a user would see before submitting (``start_of``): a job's start depends only on
+    the jobs submitted before it."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self.latency = timedelta(seconds=load_catalog().value("queue_latency_s"))
+        self.free: dict[tuple[str, str], list[datetime]] = {}  # (gpu type, host) -> when each GPU frees up
+        self.task_ends: dict[str, list[datetime]] = {}  # array job -> its tasks' ends, for %N throttles
+
+    def _best(self, gpu_type: str, gpus: int, partition: str | None,
+              eligible: datetime) -> tuple[datetime, str, list[int], PartitionSpec]:
+        part = self.cluster.partition_for(gpu_type, partition)
+        pool = self.cluster.pool(gpu_type, part.name)
         if not 0 < gpus <= pool.gpus_per_node:
-            raise ValueError(f"job {job.job_id}: {gpus} x {gpu_type} do not fit one node of {partition.name}")
-        eligible = job.submit_time + latency
-        array_id, _, _ = job.job_id.partition("_")
-        ends = task_ends.setdefault(array_id, [])
-        if job.array and "%" in job.array:
-            limit = int(job.array.rsplit("%", 1)[1])
-            if len(ends) >= limit:
-                eligible = max(eligible, sorted(ends)[len(ends) - limit])
+            raise ValueError(f"{gpus} x {gpu_type} do not fit one node of {part.name}")
         best: tuple[datetime, str, list[int]] | None = None
         for host in pool.hosts:
-            slots = free.setdefault((gpu_type, host), [eligible] * pool.gpus_per_node)
+            slots = self.free.get((gpu_type, host)) or [eligible] * pool.gpus_per_node
             order = sorted(range(len(slots)), key=lambda i: (slots[i], i))[:gpus]
             start = max(eligible, slots[order[-1]])
             if best is None or start < best[0]:
                 best = (start, host, order)
         assert best is not None
-        start, host, order = best
+        return (*best, part)
+
+    def start_of(self, gpu_type: str, gpus: int, when: datetime, partition: str | None = None) -> datetime:
+        """When a job of ``gpus`` x ``gpu_type`` submitted at ``when`` would start (nothing is placed)."""
+        return self._best(gpu_type, gpus, partition, when + self.latency)[0]
+
+    def place(self, job: JobSpec, outcome: Outcome | None = None) -> Run:
+        """Run ``job`` on ``outcome`` (default: what it asked for) after every job placed before it."""
+        gpu_type, gpus = outcome or Outcome(job.req_gpu_type, job.req_gpus)
+        eligible = job.submit_time + self.latency
+        array_id, _, _ = job.job_id.partition("_")
+        ends = self.task_ends.setdefault(array_id, [])
+        if job.array and "%" in job.array:
+            limit = int(job.array.rsplit("%", 1)[1])
+            if len(ends) >= limit:
+                eligible = max(eligible, sorted(ends)[len(ends) - limit])
+        try:
+            start, host, order, partition = self._best(gpu_type, gpus, job.partition, eligible)
+        except ValueError as exc:
+            raise ValueError(f"job {job.job_id}: {exc}") from None
+        pool = self.cluster.pool(gpu_type, partition.name)
         state, code, elapsed, peak, util = _ending(job, gpu_type, gpus)
         end = start + timedelta(seconds=round(elapsed))
+        slots = self.free.setdefault((gpu_type, host), [eligible] * pool.gpus_per_node)
         for i in order:
-            free[(gpu_type, host)][i] = end
+            slots[i] = end
         ends.append(end)
-        runs.append(Run(job, gpu_type, gpus, partition.name, host, tuple(pool.first_index + i for i in sorted(order)),
-                        start, end, state, code, used_gpus(job, gpus), peak, util, _rss(job, gpus, state)))
-    return runs
+        return Run(job, gpu_type, gpus, partition.name, host, tuple(pool.first_index + i for i in sorted(order)),
+                   start, end, state, code, used_gpus(job, gpus), peak, util, _rss(job, gpus, state))
+
+
+def simulate(jobs: Sequence[JobSpec], cluster: ClusterSpec,
+             outcomes: Mapping[str, Outcome] | None = None) -> list[Run]:
+    """Run every job on its outcome (by job id; the requested GPUs where none is given)."""
+    outcomes = outcomes or {}
+    scheduler = Scheduler(cluster)
+    return [scheduler.place(job, outcomes.get(job.job_id)) for job in sorted(jobs, key=lambda j: j.submit_time)]
 
 
 def _rss(job: JobSpec, gpus: int, state: str) -> float:
