@@ -9,6 +9,7 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -381,6 +382,25 @@ def test_lua_render_validates_and_quotes(tmp_path: Path) -> None:
     assert lua_string('a"b\\c\né') == '"a\\034b\\092c\\010\\195\\169"'
     if shutil.which("luac5.1"):
         subprocess.run(["luac5.1", "-p", str(out)], check=True)
+
+
+def test_lua_render_to_a_symlink_or_fifo_writes_through_it(tmp_path: Path) -> None:
+    """`--out /dev/stdout` is a symlink to a terminal or pipe: written through, never replaced."""
+    target = tmp_path / "hook.lua"
+    target.write_text("old")
+    link = tmp_path / "stdout"
+    link.symlink_to(target)
+    res = CliRunner().invoke(lua_group, ["render", "--out", str(link)])
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and "function slurm_job_submit" in target.read_text()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    res = CliRunner().invoke(lua_group, ["render", "--out", str(fifo)])
+    reader.join(10)
+    assert res.exit_code == 0 and stat.S_ISFIFO(os.lstat(fifo).st_mode) and b"slurm_job_submit" in got[0]
 
 
 def test_contrib_samples_are_current_renders(tmp_path: Path) -> None:

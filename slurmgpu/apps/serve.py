@@ -326,9 +326,8 @@ class Service:
 
         return check
 
-    def watch(self) -> None:
+    def watch(self, next_free: float = 0.0) -> None:
         """Background loop: idle GPUs every ``FREE_GPUS_EVERY_S``, the model file every ``reload_s``."""
-        next_free = 0.0
         while True:
             if time.monotonic() >= next_free:
                 self.refresh_free()
@@ -341,7 +340,11 @@ class Service:
     def start(self) -> None:
         """Start watching the model file and the cluster (when there is either)."""
         if self.model_path or self.fetch_free or self.fetch_partitions:
-            threading.Thread(target=self.watch, name="slurmgpu-watch", daemon=True).start()
+            # The cluster view is read once before the first answer: a daemon that answered before
+            # knowing the partition rules would keep its first jobs where they were asked for.
+            self.refresh_free()
+            threading.Thread(target=self.watch, args=(time.monotonic() + FREE_GPUS_EVERY_S,),
+                             name="slurmgpu-watch", daemon=True).start()
 
     def decider(self, who: Who) -> Decider:
         if self.fixed is not None and self.fixed.name == "keep":

@@ -21,6 +21,19 @@ def fail(exc: Exception) -> NoReturn:
     sys.exit(1 if isinstance(exc, InputError) else 2)
 
 
+def write_file(path: str, data: bytes, note: str = "") -> None:
+    """Write a file the user named (0644): a regular file or new path is replaced atomically (a web
+    server or reader never sees half of it); a device, FIFO or symlink such as /dev/stdout is
+    written in place. Says so on stderr, so the file's text alone goes to a redirected stdout."""
+    from slurmgpu.pipeline.spool import write_output
+
+    try:
+        write_output(path, data, 0o644)
+    except OSError as exc:
+        fail(InputError(f"cannot write: {exc.strerror}", file=path))
+    click.echo(f"wrote {path}{note}", err=True)
+
+
 def site_config(ctx: click.Context, required: bool = True) -> Config | None:
     """The config named by --config, $SLURMGPU_CONFIG or the system path; exits when unusable."""
     path = find_config(ctx.obj["config_path"])

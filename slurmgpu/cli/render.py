@@ -7,9 +7,8 @@ import sys
 
 import click
 
-from slurmgpu.cli.common import fail
+from slurmgpu.cli.common import fail, write_file
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.spool import write_output
 
 
 @click.group("render")
@@ -53,8 +52,4 @@ def render_nightly(out: str, user: str, config_path: str, at: str, log: str, tim
                              ("slurmgpu-nightly.timer.j2", "slurmgpu-nightly.timer"),
                              ("slurmgpu.cron.j2", "slurmgpu.cron")):
         path = os.path.join(out, target)
-        try:
-            write_output(path, env.get_template(f"nightly/{template}").render(**values).encode(), 0o644)
-        except OSError as exc:
-            fail(InputError(f"cannot write: {exc.strerror}", file=path))
-        click.echo(f"wrote {path}")
+        write_file(path, env.get_template(f"nightly/{template}").render(**values).encode())

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from slurmgpu.apps.doctor import DEFAULT_SOCKET, MODEL_MAX_AGE_DAYS, SPOOL_MAX_AGE_HOURS, compare_with_cluster
-from slurmgpu.cli.common import current_user, fail, history_engine, site_config, to_utc
+from slurmgpu.cli.common import current_user, fail, history_engine, site_config, to_utc, write_file
 from slurmgpu.pipeline.errors import InputError
 
 
@@ -49,13 +49,7 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
     jobs = queries.load_jobs(history_engine(ctx), start, end, user=user, account=account, cluster=cluster)
     result = report.build(jobs, config, start, end, user)
     if html_path:
-        from slurmgpu.pipeline.spool import atomic_write
-
-        try:  # atomically: a web server never serves half a page
-            atomic_write(html_path, render.to_html(result, utcnow()).encode(), 0o644)
-        except OSError as exc:
-            fail(InputError(f"cannot write: {exc.strerror}", file=html_path))
-        click.echo(f"wrote {html_path}: {len(jobs)} GPU jobs", err=True)
+        write_file(html_path, render.to_html(result, utcnow()).encode(), f": {len(jobs)} GPU jobs")
     if fmt == "json":
         click.echo(render.to_json(result))
     elif fmt == "csv":

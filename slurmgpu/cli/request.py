@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from slurmgpu.apps.doctor import compare_with_cluster
-from slurmgpu.cli.common import fail, site_config
+from slurmgpu.cli.common import fail, site_config, write_file
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import read_script
@@ -94,11 +94,5 @@ def config_init(out: str, force: bool) -> None:
     if out == "-":
         click.echo(text, nl=False)
         return
-    from slurmgpu.pipeline.spool import atomic_write
-
-    try:
-        atomic_write(out, text.encode(), 0o644)
-    except OSError as exc:
-        fail(InputError(f"cannot write: {exc.strerror}", file=out))
-    click.echo(f"wrote {out}: review the lines marked 'review', then run `slurmgpu --config {out} config check`",
-               err=True)
+    write_file(out, text.encode(), f": review the lines marked 'review', then run "
+                                   f"`slurmgpu --config {out} config check`")

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from slurmgpu.apps.serve import DEFAULT_SOCKET
-from slurmgpu.cli.common import fail, site_config
+from slurmgpu.cli.common import fail, site_config, write_file
 from slurmgpu.pipeline.errors import InputError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]*$")  # partitions, accounts, users, groups
@@ -62,13 +62,7 @@ def render(template: str, **values: Any) -> str:
 
 
 def _write(path: str, text: str) -> None:
-    from slurmgpu.pipeline.spool import atomic_write
-
-    try:
-        atomic_write(path, text.encode(), 0o644)
-    except OSError as exc:
-        fail(InputError(f"cannot write: {exc.strerror}", file=path))
-    click.echo(f"wrote {path}")
+    write_file(path, text.encode())
 
 
 @click.command("serve")
