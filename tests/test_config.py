@@ -29,6 +29,8 @@ gpus_per_node = 4
      "partitions.small.gpus_per_node: must be at least 1"),
     ("[gpu_types.t4]\nmemory_gib = 16\ncolour = 'red'\n", "gpu_types.t4.colour: unknown key"),
     ("[gpu_types.t4]\nmemory_gib = true\n", "gpu_types.t4.memory_gib: expected"),
+    ("[gpu_types.t4]\nmemory_gib = nan\n", "gpu_types.t4.memory_gib: must be a finite number, got nan"),
+    ("[policy]\nmin_gain = inf\n", "policy.min_gain: must be a finite number, got inf"),
     ("oops = [\n", "invalid TOML"),
 ])
 def test_errors_name_the_key(tmp_path: Path, extra: str, fragment: str) -> None:

@@ -50,3 +50,8 @@ def test_deeper_model_reads_larger_in_the_script() -> None:
     small = script_features("#!/bin/bash\n" + RESNET.format(arch="resnet18", batch=64, lr=0.1, user="a") + "\n")
     large = script_features("#!/bin/bash\n" + RESNET.format(arch="resnet152", batch=64, lr=0.1, user="a") + "\n")
     assert large["params_b"] > 5 * small["params_b"] and large["family"] != small["family"]
+
+
+def test_a_command_with_a_byte_that_is_not_utf8_has_a_family() -> None:
+    script = b"#!/bin/bash\npython train.py --data /scratch/caf\xe9 --batch-size 8\n".decode("utf-8", "surrogateescape")
+    assert len(script_features(script)["family"]) == 12

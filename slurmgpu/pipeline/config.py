@@ -195,6 +195,8 @@ class _Table:
 
     def number(self, key: str, default: Any = ..., *, low: float = 0.0, above: bool = True) -> float:
         value = float(self.get(key, (int, float), default))
+        if value != value or value in (float("inf"), float("-inf")):  # TOML allows nan and inf
+            raise self._err(key, f"must be a finite number, got {value}")
         if value < low or (above and value == low):
             raise self._err(key, f"must be {'>' if above else '>='} {low:g}, got {value:g}")
         return value

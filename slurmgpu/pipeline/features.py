@@ -133,7 +133,7 @@ def family_key(command: str) -> str:
             norm.append(word.rsplit("/", 1)[-1].lower())
         else:
             norm.append(_NUMBER.sub("N", word.rsplit("/", 1)[-1]))
-    return hexdigest("sha1", " ".join(norm).encode())[:12]
+    return hexdigest("sha1", " ".join(norm).encode("utf-8", "surrogateescape"))[:12]
 
 
 def model_size_b(name: str | None, text: str) -> float:
