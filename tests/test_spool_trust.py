@@ -450,6 +450,21 @@ def test_locked_sqlite_gives_one_line_within_seconds(tmp_path: Path) -> None:
                         r"it has finished\n", res.stderr), res.stderr
 
 
+def test_nightly_stops_before_training_when_the_store_is_locked(tmp_path: Path, sample_config: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    holder = sqlite3.connect(tmp_path / "h.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        res = subprocess.run([str(BIN / "slurmgpu"), "--db", url, "nightly"], capture_output=True, text=True,
+                             timeout=120, check=False, env={**os.environ, "SLURMGPU_CONFIG": str(sample_config)})
+    finally:
+        holder.rollback()
+        holder.close()
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res
+    assert "ingest failed (exit 2); not training" in res.stdout and "nightly: train" not in res.stdout, res
+
+
 def test_nightly_units_carry_a_time_limit(tmp_path: Path) -> None:
     res = subprocess.run([str(BIN / "slurmgpu"), "render", "nightly", "--out", str(tmp_path), "--timeout", "90m"],
                          capture_output=True, text=True, timeout=60, check=False)

@@ -129,8 +129,11 @@ def nightly_cmd(ctx: click.Context) -> None:
     try:
         ctx.invoke(ingest_cmd, spool=True, delimiter="|")
     except SystemExit as exc:
-        if exc.code not in (0, None):
-            log(f"ingest finished with rejected rows (exit {exc.code}); training on what landed")
+        if exc.code not in (0, None, 1):  # 2: the store is locked or unreachable, nothing to train on
+            log(f"ingest failed (exit {exc.code}); not training")
+            raise
+        if exc.code == 1:
+            log("ingest finished with rejected rows (exit 1); training on what landed")
     log("train")
     ctx.invoke(train_cmd, test_days=7, quantile=0.995, iterations=400, keep_better=True)
     log("done")
