@@ -241,6 +241,28 @@ def test_spool_check(tmp_path: Path) -> None:
     assert check.status == FAIL and "oldest 50 h" in check.detail and "slurmgpu ingest" in check.advice
 
 
+def test_site_spool_modes(tmp_path: Path) -> None:
+    now = time.time()
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    os.chmod(subs, 0o1733)  # the old mode: records 0600, unreadable by the nightly account
+    check = doctor.check_spool("submission", str(subs), now, site=True)
+    assert check.status == FAIL and "mode 1733, not 3733 (no setgid bit" in check.detail
+    assert "chmod 3733" in check.advice
+    os.chmod(subs, 0o3733)
+    assert doctor.check_spool("submission", str(subs), now, site=True).status == OK
+    assert doctor.check_spool("submission", str(subs), now).status == OK  # a personal spool: mode not checked
+    gpus = tmp_path / "gpu"
+    gpus.mkdir()
+    os.chmod(gpus, 0o2750)
+    check = doctor.check_spool("GPU", str(gpus), now, site=True)
+    assert check.status == FAIL and "not 2770" in check.detail
+    link = tmp_path / "link"
+    link.symlink_to(subs)
+    check = doctor.check_spool("submission", str(link), now, site=True)
+    assert check.status == FAIL and "not a directory" in check.detail
+
+
 def test_exit_status_render_and_json() -> None:
     checks = [doctor.Check("config", OK, "fine"), doctor.Check("daemon", WARN, "absent", "install it")]
     assert doctor.exit_status(checks) == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -179,9 +180,30 @@ def check_lua_hook(run: Callable[[list[str]], str]) -> Check:
     return Check("lua hook", OK, f"{lua} installed, JobSubmitPlugins=lua")
 
 
-def check_spool(name: str, directory: str, now: float, max_age_hours: float = SPOOL_MAX_AGE_HOURS) -> Check:
-    """The ingest empties the spool: no record older than the limit, none rejected."""
+# The modes of a site's spools (README, "Security model"): users drop submission records the nightly
+# account's group reads (setgid) and only its owner removes (sticky); the collector (root) writes GPU records.
+SPOOL_MODES = {"submission": 0o3733, "GPU": 0o2770}
+
+
+def check_spool(name: str, directory: str, now: float, max_age_hours: float = SPOOL_MAX_AGE_HOURS,
+                site: bool = False) -> Check:
+    """The ingest empties the spool: no record older than the limit, none rejected; a site's spool
+    (``site``) is a real directory with the mode of the permission model."""
     label = f"{name} spool"
+    want = SPOOL_MODES.get(name)
+    if site and want is not None:
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            return Check(label, FAIL, f"{directory} is not a directory (a symlink or file)",
+                         f"make it one: install -d -m {want:o} ... {directory} (README, 'Security model')")
+        if st is not None and stat.S_IMODE(st.st_mode) != want:
+            why = (" (no setgid bit: records are written 0600 and the nightly account cannot read them)"
+                   if name == "submission" and not st.st_mode & stat.S_ISGID else "")
+            return Check(label, FAIL, f"{directory} has mode {stat.S_IMODE(st.st_mode):o}, not {want:o}{why}",
+                         f"chmod {want:o} {directory}, owned as README's 'Security model' says")
     try:
         with os.scandir(directory) as it:
             entries = [e for e in it if not e.name.startswith(".")]

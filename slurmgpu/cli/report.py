@@ -25,13 +25,20 @@ from slurmgpu.pipeline.errors import InputError
 @click.option("--cluster", help="Only this cluster's jobs (default: the config's site.cluster, else all).")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]),
               help="What to print on stdout (default: table; nothing but a note when --html is given).")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("--html", "html_path", metavar="FILE", type=click.Path(dir_okay=False),
               help="Write a self-contained HTML page (inline CSS and SVG) to FILE.")
+@click.option("--alerts", "only_alerts", is_flag=True,
+              help="Only the alerts: per user and account, jobs on too big a card, idle GPUs, out-of-memory "
+                   "kills and over-requested counts, each with the fix to tell the user.")
+@click.option("--wide", is_flag=True, help="Every column, however wide the terminal (default: fit $COLUMNS, else 80).")
 @click.pass_context
 def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, account: str | None,
-               cluster: str | None, fmt: str | None, html_path: str | None) -> None:
+               cluster: str | None, fmt: str | None, as_json: bool, html_path: str | None, only_alerts: bool,
+               wide: bool) -> None:
     """GPU use over a time window: allocated vs used per GPU type, over-requests and OOMs per
-    user and account, and what slurmgpu changed with the GPU-hours and queue time it saved."""
+    user and account, what slurmgpu changed with the GPU-hours and queue time it saved, and
+    alerts an admin can act on (--alerts for those alone)."""
     from slurmgpu.history.db import utcnow
     from slurmgpu.reporting import queries, render, report
 
@@ -50,14 +57,16 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
     result = report.build(jobs, config, start, end, user)
     if html_path:
         write_file(html_path, render.to_html(result, utcnow()).encode(), f": {len(jobs)} GPU jobs")
+    if as_json:
+        if fmt not in (None, "json"):
+            fail(InputError(f"--json and --format {fmt} ask for different outputs", option="--json"))
+        fmt = "json"
     if fmt == "json":
-        click.echo(render.to_json(result))
+        click.echo(render.alerts_json(result) if only_alerts else render.to_json(result))
     elif fmt == "csv":
-        click.echo(render.to_csv(result), nl=False)
+        click.echo(render.to_csv(result, only_alerts), nl=False)
     elif fmt == "table" or not html_path:
-        from rich.console import Console
-
-        render.print_tables(result, Console())
+        render.print_tables(result, render.console_for(wide), wide, only_alerts)
 
 
 @click.command("doctor")
@@ -86,6 +95,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
                          or (config.site.database_url if config else None))
     database = doctor.check_database(url, db.current_revision, db.head_revision(), _sqlite_file(url))
     site = config.site if config else None
+    subs, gpus = (site.submission_spool, site.gpu_spool) if site else (None, None)  # the site's, not personal
     checks = [
         first,
         doctor.check_cluster(config, lambda: select_backend().nodes(), compare_with_cluster),
@@ -95,10 +105,10 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
                            model_max_age_days),
         doctor.check_daemon(socket_path),
         doctor.check_lua_hook(_run),
-        doctor.check_spool("submission", submission_spool(site.submission_spool if site else None, os.environ),
-                           time.time(), spool_max_age_hours),
-        doctor.check_spool("GPU", gpu_spool(site.gpu_spool if site else None, os.environ), time.time(),
-                           spool_max_age_hours),
+        *(doctor.check_spool(name, path, time.time(), spool_max_age_hours, site=path == configured)
+          for name, path, configured in (
+              ("submission", submission_spool(subs, os.environ), subs),
+              ("GPU", gpu_spool(gpus, os.environ), gpus))),
     ]
     click.echo(doctor.to_json(checks) if as_json else doctor.render(checks, color=sys.stdout.isatty()))
     sys.exit(doctor.exit_status(checks))
