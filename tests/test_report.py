@@ -187,7 +187,10 @@ def test_csv_and_table_formats(tmp_path: Path) -> None:
     res = run_report(url, "--format", "csv")
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader(io.StringIO(res.output)))
-    assert [r["section"] for r in rows] == ["gpu_type"] * 3 + ["user"] * 3 + ["change"] * 3
+    # alerts: alice's idle job (2 GPU-h) and 1 of 2 idle GPUs (1 GPU-h), bob's host-memory kill (2 GPU-h)
+    assert [r["section"] for r in rows] == ["gpu_type"] * 3 + ["user"] * 3 + ["change"] * 3 + ["alert"] * 3
+    assert [(r["user"], r["kind"], r["wasted_gpu_hours"]) for r in rows if r["section"] == "alert"] == [
+        ("bob", "host_oom", "2.0"), ("alice", "no_gpu_use", "2.0"), ("alice", "idle_gpus", "1.0")]
     t4 = next(r for r in rows if r["section"] == "gpu_type" and r["gpu_type"] == "t4")
     assert (t4["gpu_hours"], t4["mem_used_share"], t4["user"]) == ("1.0", "", "")
     bob = next(r for r in rows if r["user"] == "bob")
@@ -236,7 +239,7 @@ def test_html_escapes_names_and_renders_an_empty_window() -> None:
     page = render.to_html(rep, datetime(2026, 2, 1))
     assert "<script" not in page and "<img" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     empty = render.to_html(report.build([], None, datetime(2026, 1, 1), datetime(2026, 1, 2)), datetime(2026, 1, 2))
-    assert empty.count("None in this window.") == 3
+    assert empty.count("None in this window.") == 4
 
 
 # --- a user who is not root sees only their own jobs --------------------------------------------
@@ -389,13 +392,21 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     dom = _browser(chromium, tmp_path / "profile", "--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
-    assert html.count("<table>") == 3 and html.count("<svg") == 3
+    assert html.count("<table>") == 4 and html.count("<svg") == 3
     assert len(re.findall(r"<rect ", html)) > 60
-    for heading in ("GPU types", "Users and accounts", "Changes by slurmgpu", "How the numbers are made"):
+    for heading in ("GPU types", "Users and accounts", "Changes by slurmgpu", "Alerts", "How the numbers are made"):
         assert f"<h2>{heading}</h2>" in html
     for cell in ('<td class="t">a100</td>', '<td class="t">gus</td>', '<td class="t">chem</td>',
                  '<td class="t">v100 -&gt; a100</td>', "<td>2,491.6</td>"):
         assert cell in html
+    # the alerts: gus (who leaves GPUs idle) is told how many GPUs to ask for
+    alerts = html[html.index("<h2>Alerts</h2>"):html.index("<h2>How the numbers are made</h2>")]
+    idle = re.search(r'<td class="t">gus</td><td class="t">chem</td><td class="t">idle GPUs in multi-GPU jobs</td>'
+                     r'(?:<td>[^<]*</td>){3}<td class="t">\d+</td><td class="t">(\d+) of (\d+) GPUs idle</td>'
+                     r'<td class="t">use (\d+) GPU\(s\), not (\d+) \(--gres=gpu:\w+:(\d+)\)</td>', alerts)
+    assert idle, alerts[:3000]
+    assert int(idle[3]) < int(idle[4]) and idle[3] == idle[5]
+    assert "host memory (Slurm OUT_OF_MEMORY)" in alerts and "GPU type too powerful" in alerts
 
     shot = tmp_path / "report.png"
     res = _browser(chromium, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,1600",

@@ -35,6 +35,8 @@ class JobUse(NamedTuple):
     original: Mapping[str, Any] | None
     decision: Mapping[str, Any] | None
     changed: bool
+    mean_util: float | None = None  # percent, over the job's GPUs (collector only)
+    partition: str | None = None
 
     @property
     def gpu_hours(self) -> float:
@@ -56,7 +58,7 @@ def load_jobs(engine: Engine, since: datetime, until: datetime, user: str | None
     """
     stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.het_job_id, Job.user, Job.account,
                    Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.state, Job.end_time, Job.sacct_gpu_mem_mib,
-                   Job.sacct_gpu_util)
+                   Job.sacct_gpu_util, Job.partition)
             .where(Job.gpu_count > 0, Job.end_time >= since, Job.end_time < until)
             .order_by(Job.end_time, Job.id))
     if user is not None:
@@ -71,6 +73,33 @@ def load_jobs(engine: Engine, since: datetime, until: datetime, user: str | None
         subs = _rows_by_id(conn, Submission.__table__, {k for j in jobs for k in _submission_keys(j)})
     return [_job_use(j, [u for k in _usage_keys(j) for u in usage.get(k, ())],
                      next((s for k in _submission_keys(j) for s in subs.get(k, ())), None)) for j in jobs]
+
+
+
+class OneJob(NamedTuple):
+    """A job row (every column) with its collector rows, one per host, and its submission record."""
+
+    job: Any
+    hosts: list[Any]
+    submission: Any | None
+
+
+def find_job(engine: Engine, job_id: str, cluster: str | None = None) -> OneJob | None:
+    """The job sacct calls ``job_id`` (or whose raw id it is), newest first when clusters share ids."""
+    stmt = select(Job.__table__).order_by(Job.submit_time.desc(), Job.id.desc())
+    if cluster is not None:
+        stmt = stmt.where(Job.cluster == cluster)
+    with engine.connect() as conn:
+        row = conn.execute(stmt.where(Job.job_id == job_id).limit(1)).first()
+        if row is None and job_id.isdigit():
+            row = conn.execute(stmt.where(Job.job_id_raw == int(job_id)).limit(1)).first()
+        if row is None:
+            return None
+        usage = _rows_by_id(conn, GpuUsage.__table__, set(_usage_keys(row)))
+        subs = _rows_by_id(conn, Submission.__table__, set(_submission_keys(row)))
+    hosts = [u for k in _usage_keys(row) for u in usage.get(k, ())]
+    return OneJob(row, sorted(hosts, key=lambda h: h.hostname),
+                  next((s for k in _submission_keys(row) for s in subs.get(k, ())), None))
 
 
 
@@ -103,14 +132,18 @@ def _rows_by_id(conn: Any, table: Any, keys: set[tuple[str, str]],
 
 def _job_use(job: Any, hosts: list[Any], sub: Any) -> JobUse:
     """One job with its collector rows (one per host) folded: peaks are maxima, busy GPUs a sum."""
+    mean: float | None = None
     if hosts:
         peak: float | None = max(h.peak_mem_mib for h in hosts)
         utils = [h.max_util for h in hosts if h.max_util is not None]
         util = max(utils) if utils else None
         busy = (sum(1 for h in hosts for g in h.detail if (g.get("max_util") or 0.0) >= IDLE_UTIL_PCT)
                 if all(isinstance(h.detail, list) and h.detail for h in hosts) else None)
+        means = [(h.mean_util, max(h.gpus, 1)) for h in hosts if h.mean_util is not None]
+        mean = sum(m * n for m, n in means) / sum(n for _, n in means) if means else None
     else:
         peak, util, busy = job.sacct_gpu_mem_mib, job.sacct_gpu_util, None
     return JobUse(job.job_id, job.user or "?", job.account or "-", job.gpu_type or UNTYPED, job.gpu_count,
                   job.elapsed_s or 0, job.state, job.end_time, peak, util, busy,
-                  sub.original_request if sub else None, sub.decision if sub else None, bool(sub and sub.changed))
+                  sub.original_request if sub else None, sub.decision if sub else None, bool(sub and sub.changed),
+                  mean, job.partition)

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
+from slurmgpu.reporting import alerts as alerts_mod
+from slurmgpu.reporting.alerts import AlertRow
 from slurmgpu.reporting.report import DEFINITIONS, ChangeRow, Report, TypeRow, UserRow
 
 
@@ -33,23 +35,38 @@ def to_json(report: Report) -> str:
         "changes": [_rounded(c._asdict()) for c in report.changes],
         "daily": [{"date": d.isoformat(), "gpu_type": t, "gpu_hours": round(h, 4)}
                   for d, per in report.daily.items() for t, h in sorted(per.items())],
+        "alerts": alerts_mod.to_dicts(report.alerts),
         "definitions": DEFINITIONS,
+    }, indent=2)
+
+
+def alerts_json(report: Report) -> str:
+    """Only the alerts (``slurmgpu report --alerts --format json``)."""
+    return json.dumps({
+        "window": {"since": _iso(report.since), "until": _iso(report.until)},
+        "user": report.user,
+        "totals": alerts_mod.totals(report.alerts),
+        "alerts": alerts_mod.to_dicts(report.alerts),
+        "definitions": alerts_mod.DEFINITIONS,
     }, indent=2)
 
 
 
 CSV_COLUMNS = ("section", "gpu_type", "user", "account", "change", *(
-    f for f in (*TypeRow._fields, *UserRow._fields, *ChangeRow._fields)
+    f for f in (*TypeRow._fields, *UserRow._fields, *ChangeRow._fields, *AlertRow._fields)
     if f not in ("gpu_type", "user", "account", "change")))
 
 
 
-def to_csv(report: Report) -> str:
-    """One CSV: a ``section`` column (gpu_type, user, change) and the union of the sections' columns."""
+def to_csv(report: Report, only_alerts: bool = False) -> str:
+    """One CSV: a ``section`` column (gpu_type, user, change, alert) and the union of the sections' columns."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(dict.fromkeys(CSV_COLUMNS)), lineterminator="\n")
+    columns = ("section", *AlertRow._fields) if only_alerts else CSV_COLUMNS
+    writer = csv.DictWriter(out, fieldnames=list(dict.fromkeys(columns)), lineterminator="\n")
     writer.writeheader()
-    for section, rows in (("gpu_type", report.types), ("user", report.users), ("change", report.changes)):
+    sections: tuple[tuple[str, Sequence[Any]], ...] = (
+        ("gpu_type", report.types), ("user", report.users), ("change", report.changes), ("alert", report.alerts))
+    for section, rows in sections[3:] if only_alerts else sections:
         for row in rows:
             writer.writerow({"section": section, **{k: "" if v is None else v for k, v in _rounded(row._asdict())
                                                     .items()}})
@@ -72,7 +89,16 @@ def _ratio(used: int, asked: int) -> str:
 
 
 
-TEXT_COLUMNS = {"GPU type", "user", "account", "change"}
+TEXT_COLUMNS = {"GPU type", "user", "account", "change", "alert", "example job", "detail", "fix"}
+
+# What a terminal of 80 columns shows of each table; --wide shows every column.
+NARROW = {
+    "GPU types": ("GPU type", "jobs", "GPU-h", "idle GPU-h", "memory used"),
+    "Users and accounts": ("user", "account", "jobs", "GPU-h", "idle GPU-h", "memory used", "OOMs", "changed"),
+    "Changes by slurmgpu": ("change", "jobs", "users", "GPU-h saved"),
+    "Alerts": ("user", "alert", "jobs", "wasted GPU-h", "fix"),
+}
+WIDE_ENOUGH = 200  # a terminal this wide shows every column
 
 
 
@@ -91,7 +117,53 @@ def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[st
         "Changes by slurmgpu": (("change", "jobs", "users", "GPU-h saved", "queue h saved"), [
             (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
             for c in report.changes]),
+        "Alerts": alert_rows(report.alerts),
     }
+
+
+def alert_rows(rows: Sequence[AlertRow]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    return (("user", "account", "alert", "jobs", "GPU-h", "wasted GPU-h", "example job", "detail", "fix"), [
+        (a.user, a.account, alerts_mod.KINDS[a.kind], str(a.jobs), _num(a.gpu_hours), _num(a.wasted_gpu_hours),
+         a.example_job, a.detail, a.fix) for a in rows])
+
+
+def narrowed(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]],
+             wide: bool) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The table's columns a narrow terminal shows (all of them when wide)."""
+    keep = header if wide else NARROW.get(title, header)
+    index = [header.index(h) for h in keep]
+    return keep, [tuple(row[i] for i in index) for row in rows]
+
+
+def terminal_width() -> int:
+    """$COLUMNS, else the terminal's width, else 80."""
+    import shutil
+
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def print_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], console: Any,
+                wide: bool) -> bool:
+    """One table; True when columns were left out."""
+    from rich.table import Table
+    from rich.text import Text as RichText
+
+    shown, cells = narrowed(title, header, rows, wide)
+    table = Table(title=title)
+    for name in shown:
+        table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right",
+                         overflow="fold", no_wrap=wide)
+    for row in cells:
+        table.add_row(*(RichText(cell) for cell in row))  # names are data, never rich markup
+    console.print(table)
+    return bool(rows) and len(shown) < len(header)
+
+
+def console_for(wide: bool) -> Any:
+    """A rich console as wide as the terminal ($COLUMNS, else 80); unbounded with --wide."""
+    from rich.console import Console
+
+    return Console(width=10_000 if wide else terminal_width(), soft_wrap=wide)
 
 
 
@@ -105,18 +177,18 @@ def headline(report: Report) -> str:
 
 
 
-def print_tables(report: Report, console: Any) -> None:
-    from rich.table import Table
+def print_tables(report: Report, console: Any, wide: bool = False, only_alerts: bool = False) -> None:
     from rich.text import Text as RichText
 
     console.print(RichText(headline(report)))
+    narrowed_any = False
     for title, (header, rows) in table_rows(report).items():
-        table = Table(title=title)
-        for name in header:
-            table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right")
-        for row in rows:
-            table.add_row(*(RichText(cell) for cell in row))  # names are data, never rich markup
-        console.print(table)
+        if only_alerts and title != "Alerts":
+            continue
+        narrowed_any |= print_table(title, header, rows, console, wide)
+    if narrowed_any:
+        console.print(RichText("Some columns left out to fit the terminal: --wide shows them all, "
+                               "--format json gives every figure."))
 
 
 

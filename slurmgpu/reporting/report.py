@@ -14,6 +14,8 @@ from datetime import date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.config import Config
+from slurmgpu.reporting import alerts
+from slurmgpu.reporting.alerts import AlertRow
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, JobUse
 
 OOM_STATE = "OUT_OF_MEMORY"
@@ -36,6 +38,7 @@ DEFINITIONS = {
     "queue_hours_saved": "estimate: the decider's expected queue wait for the original request minus that for the "
                          "decision, from the per-type numbers it recorded; empty where it recorded none",
     "daily": "GPU-hours by the UTC day the job ended",
+    **{f"alert {k}": v for k, v in alerts.DEFINITIONS.items()},
 }
 
 
@@ -81,6 +84,7 @@ class Report(NamedTuple):
     users: list[UserRow]
     changes: list[ChangeRow]
     daily: dict[date, dict[str, float]]  # day -> GPU type -> GPU-hours
+    alerts: tuple[AlertRow, ...] = ()  # per user, account and kind; see slurmgpu.reporting.alerts
 
     def totals(self) -> dict[str, Any]:
         gpu_h = sum(t.gpu_hours for t in self.types)
@@ -225,7 +229,7 @@ def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until:
     return Report(since, until, user, sorted(types, key=lambda t: -t.gpu_hours),
                   sorted(users, key=lambda u: (-u.gpu_hours, u.user, u.account)),
                   sorted(changes, key=lambda c: (-c.jobs, c.change)),
-                  {d: dict(v) for d, v in sorted(daily.items())})
+                  {d: dict(v) for d, v in sorted(daily.items())}, tuple(alerts.build(jobs, config)))
 
 
 # --- output formats ---------------------------------------------------------------------------
