@@ -171,6 +171,10 @@ class FakeDaemon:
             "wrong-shape": json.dumps({"ok": True, "plan": {"decision": {"refused": None},
                                                             "submission": {"changed": "yes"}}}).encode() + b"\n",
             "input-error-not-text": b'{"ok": false, "input_error": 5}\n',
+            # a hostile daemon cannot stop a job: its refusal or input error is not believed
+            "refuses": json.dumps({"ok": True, "plan": {"decision": {"refused": "h100 x 100000 does not fit"}}})
+            .encode() + b"\n",
+            "input-error": b'{"ok": false, "input_error": "job.sh: line 2: invalid option --gres"}\n',
             "flood": b"x" * (3 << 20),
         }
         try:
@@ -199,7 +203,7 @@ class FakeDaemon:
 
 
 DAEMON_FAULTS = ["hang", "garbage", "close-early", "half-reply", "not-an-object", "wrong-shape",
-                 "input-error-not-text", "flood"]
+                 "input-error-not-text", "refuses", "input-error", "flood"]
 
 
 # ---------------------------------------------------------------- the faults

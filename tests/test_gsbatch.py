@@ -206,12 +206,12 @@ def test_unwritable_spool_warns_but_submits(job: Path, sample_config: Path, tmp_
 
 def test_a_byte_that_is_not_utf8_in_the_command_does_not_stop_the_rewrite(tmp_path: Path, sample_config: Path,
                                                                          spool_dir: Path, capsys) -> None:
-    """The feature reader cannot hash it: the record goes without features, the job as decided."""
+    """The job goes as decided and its record keeps the script's features (the byte hashed as read)."""
     p = tmp_path / "latin1.sh"
     p.write_bytes(b"#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\necho caf\xe9\n")
     code, be = run([str(p)], sample_config)
     assert code == 0 and be.calls[0]["words"][0] != str(p)  # the rewritten private copy
     assert be.calls[0]["content"].endswith(b"--partition=gpu --gres=gpu:a100:1\necho caf\xe9\n")
     [rec] = [json.loads(r.read_text()) for r in spool_dir.iterdir()]
-    assert rec["changed"] is True and rec["features"]["script"] is None
+    assert rec["changed"] is True and len(rec["features"]["script"]["family"]) == 12
     assert "warning" not in capsys.readouterr().err

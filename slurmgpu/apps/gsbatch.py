@@ -158,7 +158,9 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
                 timeout_s: float = 0.5) -> dict[str, Any] | None:
     """The plan made by ``slurmgpu serve`` (the fast path: templates and model are loaded there),
     or None when there is no daemon, it serves another config, or it does not answer in time.
-    Raises InputError when the daemon found the user's input bad, as the in-process plan would."""
+    None too when the daemon refuses the job or calls the input bad: only this process stops a
+    job (it plans again and finds the same refusal or error, or none), so a daemon cannot make
+    gsbatch refuse what sbatch accepts."""
     from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, call
 
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
@@ -181,6 +183,10 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
     if reply.get("ok") and isinstance(reply.get("plan"), dict):
         from slurmgpu.pipeline.validate import check_plan
 
+        decision = reply["plan"].get("decision")
+        if isinstance(decision, dict) and decision.get("refused") is not None:
+            return None
+
         problem = check_plan(reply["plan"], config, text, inv.options)
         if problem is None:
             return dict(reply["plan"], stdin=None)
@@ -189,8 +195,6 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
         _note(sys.stderr, "warning", f"slurmgpu serve's answer not applied ({problem}); request kept as written")
         kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"))
         return dict(kept.to_json(), stdin=kept.stdin)
-    if isinstance(reply.get("input_error"), str):
-        raise InputError(reply["input_error"])
     return None
 
 
