@@ -11,6 +11,7 @@ from slurmgpu.cli.render import render_group
 from slurmgpu.cli.report import doctor_cmd, report_cmd
 from slurmgpu.cli.request import config_group, parse_cmd
 from slurmgpu.cli.scenario import scenario_cmd
+from slurmgpu.cli.seff import seff_cmd
 from slurmgpu.cli.serve import lua_group, render_serve_cmd, serve_cmd
 from slurmgpu.cli.workload import workload_group
 
@@ -39,6 +40,6 @@ def demo_cmd() -> None:
 
 for command in (parse_cmd, config_group, db_group, ingest_cmd, jobs_cmd, history_group, train_cmd, evaluate_cmd,
                 predict_cmd, nightly_cmd, render_group, serve_cmd, lua_group, report_cmd, doctor_cmd, scenario_cmd,
-                workload_group, demo_cmd):
+                workload_group, demo_cmd, seff_cmd):
     main.add_command(command)
 render_group.add_command(render_serve_cmd)

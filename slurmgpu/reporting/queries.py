@@ -71,7 +71,7 @@ def load_jobs(engine: Engine, since: datetime, until: datetime, user: str | None
         jobs = conn.execute(stmt).all()
         usage = _rows_by_id(conn, GpuUsage.__table__, {k for j in jobs for k in _usage_keys(j)})
         subs = _rows_by_id(conn, Submission.__table__, {k for j in jobs for k in _submission_keys(j)})
-    return [_job_use(j, [u for k in _usage_keys(j) for u in usage.get(k, ())],
+    return [job_use(j, [u for k in _usage_keys(j) for u in usage.get(k, ())],
                      next((s for k in _submission_keys(j) for s in subs.get(k, ())), None)) for j in jobs]
 
 
@@ -130,7 +130,7 @@ def _rows_by_id(conn: Any, table: Any, keys: set[tuple[str, str]],
 
 
 
-def _job_use(job: Any, hosts: list[Any], sub: Any) -> JobUse:
+def job_use(job: Any, hosts: list[Any], sub: Any) -> JobUse:
     """One job with its collector rows (one per host) folded: peaks are maxima, busy GPUs a sum."""
     mean: float | None = None
     if hosts:
