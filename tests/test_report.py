@@ -422,3 +422,26 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert painted.get((0x3B, 0x6F, 0xB6), 0) > 5000 and painted.get((0xC8, 0xCD, 0xD4), 0) > 2000
     if os.environ.get("SLURMGPU_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "report.png")
+
+
+def test_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    small_history(url)
+    args = ["--config", str(SAMPLE_CONFIG), "--db", url, "report", *WINDOW]
+    for columns in ("80", "100"):
+        narrow = CliRunner(env={"COLUMNS": columns}).invoke(main, args)
+        assert narrow.exit_code == 0, narrow.output
+        assert max(len(line) for line in narrow.output.splitlines()) <= int(columns), narrow.output
+        assert "GiB/GPU asked" not in narrow.output and "--wide shows them all" in narrow.output
+    wide = CliRunner(env={"COLUMNS": "80"}).invoke(main, [*args, "--wide"])
+    assert wide.exit_code == 0, wide.output
+    assert "GiB/GPU asked" in wide.output and "example job" in wide.output and "--wide shows" not in wide.output
+    assert "use 1 GPU(s), not 2 (--gres=gpu:a100:1)" in wide.output  # a fix is never folded in --wide
+    alerts_only = CliRunner(env={"COLUMNS": "80"}).invoke(main, [*args, "--alerts", "--json"])
+    data = json.loads(alerts_only.output)
+    assert [(a["user"], a["kind"]) for a in data["alerts"]] == [("bob", "host_oom"), ("alice", "no_gpu_use"),
+                                                                ("alice", "idle_gpus")]
+    assert data["totals"]["wasted_gpu_hours"] == 5.0
+    clash = CliRunner().invoke(main, [*args, "--json", "--format", "csv"])
+    assert clash.exit_code == 1 and "--json and --format csv" in clash.output
