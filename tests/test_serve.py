@@ -178,6 +178,29 @@ def test_the_model_decider_answers_as_it_would_in_gsbatch(model_config: Config, 
     assert health["model"]["loaded"] and health["model"]["path"] == str(path) and health["model"]["jobs"] > 0
 
 
+def test_the_daemon_ranks_types_by_the_queue_it_read(model_config: Config, bundle: Bundle, tmp_path: Path) -> None:
+    """With a queue view, a busy type's expected wait is its ledger's; without one, idle GPUs."""
+    from test_models import script_for
+
+    from slurmgpu.pipeline.queue import GpuLedger
+
+    path = tmp_path / "model.json"
+    bundle.save(str(path))
+    ledger = GpuLedger({"a100": [4], "v100": [4], "t4": [4]})
+    ledger.reserve("a100", 4, 0.0, 7200.0)  # every A100 busy for two hours
+    service = serve.Service(model_config, str(path), lambda: {"a100": 4, "v100": 4, "t4": 4}, reload_s=0.1,
+                            queue=lambda: ledger)
+    service.check_model()
+    service.refresh_free()
+    job = {"script": script_for("resnet", 16, 1000, "a100"), "tres_per_node": "gres:gpu:a100:1", "user_name": "ann"}
+    waits = {c["gpu_type"]: c["expected_wait_s"] for c in service.decide(job)["per_type"]}
+    assert 7190 <= waits["a100"] <= 7200 and waits["v100"] == 0.0
+    blind = serve.Service(model_config, str(path), lambda: {"a100": 4, "v100": 4, "t4": 4}, reload_s=0.1)
+    blind.check_model()
+    blind.refresh_free()
+    assert {c["expected_wait_s"] for c in blind.decide(job)["per_type"]} == {0.0}
+
+
 def test_a_new_model_file_is_picked_up_without_dropping_requests(model_config: Config, bundle: Bundle,
                                                                  tmp_path: Path, sock: str) -> None:
     from test_models import script_for

@@ -60,3 +60,31 @@ def test_pyslurm_nodes_use_its_gres_dict() -> None:
     fake = types.SimpleNamespace(Nodes=types.SimpleNamespace(load=lambda: {"g1": node}))
     [info] = slurm.PyslurmBackend(fake).nodes()
     assert info.partitions == ("gpu",) and dict(info.gpus) == {"a100": 4, "": 2} and info.features == ("a100",)
+
+
+@pytest.mark.slurm
+def test_expected_wait_from_the_live_queue(tmp_path: Path) -> None:
+    """A running job holding every A100 for up to 30 min: the A100 wait is about its time left,
+    while V100s are free; read through gsbatch's cached queue view."""
+    import subprocess
+    import time
+
+    from slurmgpu.apps.site import cached_waits
+
+    name = f"sg-queue-{time.time_ns()}"
+    subprocess.run(["sbatch", "-J", name, "-o", "/dev/null", "--gres=gpu:a100:4", "-t", "30", "--wrap", "sleep 120"],
+                   check=True, capture_output=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "R" not in subprocess.run(["squeue", "-h", "-n", name, "-o", "%t"], capture_output=True,
+                                        text=True).stdout.split():
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        wait = cached_waits(slurm.CliBackend(), {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)})
+        assert wait is not None
+        assert 1700 <= wait("a100", 1) <= 1800
+        assert wait("v100", 4) == 0.0
+        again = cached_waits(slurm.CliBackend(sinfo="/nonexistent"), {"XDG_CACHE_HOME": str(tmp_path)})
+        assert again is not None and abs(again("a100", 1) - wait("a100", 1)) < 15  # from the cache, aged
+    finally:
+        subprocess.run(["scancel", "-n", name], check=False)

@@ -84,6 +84,7 @@ except ImportError:  # pragma: no cover - numpy ships with the training extra
     pass
 from slurmgpu.pipeline.plan import Plan, make_plan
 from slurmgpu.pipeline.policy import Admits, Decider, Decision, KeepDecider, make_decider
+from slurmgpu.pipeline.queue import GpuLedger
 from slurmgpu.pipeline.request import GPU_OPTIONS, ComponentRequest, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.pipeline.script import encode, parse_script
@@ -243,8 +244,12 @@ class Service:
 
     def __init__(self, config: Config, model_path: str | None = None,
                  free_gpus: Callable[[], Mapping[str, int]] | None = None, reload_s: float = 2.0,
-                 partitions: Callable[[], Mapping[str, PartitionRules]] | None = None) -> None:
+                 partitions: Callable[[], Mapping[str, PartitionRules]] | None = None,
+                 queue: Callable[[], GpuLedger] | None = None) -> None:
         self.config, self.reload_s = config, reload_s
+        # The queue view (expected wait per type and count); None until read: idle GPUs then.
+        self.fetch_queue = queue
+        self.ledger: tuple[GpuLedger, float] | None = None  # and when it was read (monotonic)
         self.model_path = model_path if config.policy.decider == "model" else None
         self.fetch_free = free_gpus
         self.free: Mapping[str, int] = {}  # idle GPUs per type; {} ranks by runtime alone
@@ -295,6 +300,11 @@ class Service:
                 self.free = dict(self.fetch_free())
             except Exception as exc:  # noqa: BLE001 - no cluster view: keep the last one
                 log.warning("idle GPU counts not refreshed: %s", exc)
+        if self.fetch_queue is not None:
+            try:
+                self.ledger = (self.fetch_queue(), time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - no queue view: keep the last one
+                log.warning("queue view not refreshed: %s", exc)
         if self.fetch_partitions is not None:
             try:
                 self.partitions, self.partitions_error = dict(self.fetch_partitions()), None
@@ -354,7 +364,14 @@ class Service:
         bundle = self.model.bundle
         if bundle is None:
             return KeepDecider(f"model unusable ({self.model.error}); request kept")
-        return make_decider(self.config, bundle, lambda: self.free, who.name, self.admits(who))
+        return make_decider(self.config, bundle, lambda: self.free, who.name, self.admits(who), self._wait())
+
+    def _wait(self) -> Callable[[str, int], float] | None:
+        """Expected wait from the last queue view, aged by the time since it was read."""
+        if self.ledger is None:
+            return None
+        ledger, read_at = self.ledger
+        return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=time.monotonic() - read_at)
 
     def decide(self, job: Mapping[str, Any], who: Who | None = None) -> dict[str, Any]:
         """The reply to a decide request (raises InputError for an unreadable job)."""

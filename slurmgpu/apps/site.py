@@ -113,34 +113,36 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"gsbatch: warning: model {path} unusable ({exc}); request kept as written", file=sys.stderr)
         return KeepDecider("model unusable")
-    return make_decider(config, bundle, cached_free_gpus(backend, env), user)
+    return make_decider(config, bundle, user=user, wait=cached_waits(backend, env))
 
 
-def cached_free_gpus(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:
-    """Idle GPUs per type, from a per-user cache a few seconds old at most (sinfo is not free)."""
+def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:
+    """Expected wait per GPU type and count from the live queue (pipeline/queue.py: running jobs'
+    time left, then pending demand by priority), from a per-user cache a few seconds old at most
+    (sinfo and squeue are not free); None when Slurm cannot be asked (rank by runtime alone)."""
     import json
     import time
 
-    def free() -> dict[str, int]:
-        path = os.path.join(user_cache_dir(env), "free-gpus.json")
+    from slurmgpu.pipeline.queue import GpuLedger
+
+    path = os.path.join(user_cache_dir(env), "gpu-queue.json")
+    ledger = GpuLedger({})
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        if not 0 <= age < ttl_s:
+            raise OSError("stale")
+        with open(path) as fh:
+            ledger.free = {str(t): [[float(x) for x in node] for node in nodes] for t, nodes in json.load(fh).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        age = 0.0
         try:
-            if time.time() - os.stat(path).st_mtime < ttl_s:
-                with open(path) as fh:
-                    return json.load(fh)
-        except (OSError, ValueError):
-            pass
-        try:
-            data = backend.free_gpus()
-        except Exception:  # noqa: BLE001 - no cluster view: rank by runtime alone
-            return {}
+            ledger = GpuLedger.from_queue(backend.nodes(), backend.queue())
+        except Exception:  # noqa: BLE001 - no queue view: rank by runtime alone
+            return None
         try:
             from slurmgpu.pipeline.spool import write_private
 
-            write_private(path, json.dumps(data).encode())
+            write_private(path, json.dumps(ledger.free).encode())
         except OSError:
             pass
-        return data
-
-    return free
-
-
+    return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=age)

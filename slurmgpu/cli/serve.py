@@ -88,6 +88,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     """
     from slurmgpu.apps import serve, serve_socket
     from slurmgpu.apps.site import model_path
+    from slurmgpu.pipeline.queue import GpuLedger
     from slurmgpu.slurm.backend import CliBackend
     from slurmgpu.slurm.partitions import read_partitions
 
@@ -102,8 +103,10 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s slurmgpu serve: %(message)s")
     try:
         access = serve_socket.access_for(group, slurm_user, run_as)
-        service = serve.Service(config, model or model_path(config, os.environ), CliBackend().free_gpus, reload_s,
-                                partitions=read_partitions)
+        backend = CliBackend()
+        service = serve.Service(config, model or model_path(config, os.environ), backend.free_gpus, reload_s,
+                                partitions=read_partitions,
+                                queue=lambda: GpuLedger.from_queue(backend.nodes(), backend.queue()))
         server = serve_socket.Server(socket_path, service, access, file_mode)
     except (InputError, OSError) as exc:
         fail(exc)

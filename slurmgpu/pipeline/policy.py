@@ -359,7 +359,8 @@ class ModelDecider:
 
 
 def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[], Mapping[str, int]] | None = None,
-                 user: str | None = None, admits: Admits | None = None) -> Decider:
+                 user: str | None = None, admits: Admits | None = None,
+                 wait: Callable[[str, int], float] | None = None) -> Decider:
     """The configured decider; the model decider needs a loaded bundle (else: keep). ``admits``
     (when given) keeps both deciders from moving a job to a partition Slurm would refuse it in."""
     if config is None:
@@ -367,5 +368,5 @@ def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[
     if config.policy.decider == "keep":
         return KeepDecider("policy.decider = keep")
     if config.policy.decider == "model" and model is not None:
-        return ModelDecider(config, model, free_gpus or (lambda: {}), user, admits)
+        return ModelDecider(config, model, free_gpus or (lambda: {}), user, admits, wait)
     return RuleDecider(config, admits)

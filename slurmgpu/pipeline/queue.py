@@ -11,7 +11,8 @@ first has enough GPUs free.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 
 class GpuLedger:
@@ -20,6 +21,43 @@ class GpuLedger:
     def __init__(self, nodes: Mapping[str, Iterable[int]]) -> None:
         """``nodes``: GPU type -> GPUs per node of each node holding that type."""
         self.free = {t: [[0.0] * n for n in per_node] for t, per_node in nodes.items()}
+
+    @classmethod
+    def from_queue(cls, nodes: Sequence[Any], jobs: Sequence[Any]) -> GpuLedger:
+        """The ledger of a live cluster: ``nodes`` as the Slurm backend lists them (name,
+        partitions, gpus per type), ``jobs`` as its queue gives them (slurm.backend.QueuedJob,
+        highest priority first). A running job holds its GPUs on its nodes for its time left; each
+        pending job then takes the earliest GPUs of its type (an untyped one: of whichever type of
+        its partition frees first) for its time limit. Times are seconds from now."""
+        ledger = cls({})
+        where: dict[tuple[str, str], list[float]] = {}
+        types_of: dict[str, set[str]] = {}
+        for node in nodes:
+            for gtype, count in node.gpus.items():
+                if gtype and count > 0 and (node.name, gtype) not in where:
+                    where[(node.name, gtype)] = [0.0] * count
+                    ledger.free.setdefault(gtype, []).append(where[(node.name, gtype)])
+                    for part in node.partitions:
+                        types_of.setdefault(part, set()).add(gtype)
+        for job in jobs:
+            per_node = {t: -(-n // max(job.num_nodes, 1)) for t, n in job.gpus.items()}
+            if job.running:  # a running job's allocation names its types (Slurm records what it got)
+                for name in job.nodes:
+                    for gtype, n in per_node.items():
+                        slots = where.get((name, gtype), [])
+                        for i in sorted(range(len(slots)), key=slots.__getitem__)[:n]:
+                            slots[i] = max(slots[i], job.seconds)
+                continue
+            for gtype, n in per_node.items():
+                if not gtype:
+                    choices = sorted(types_of.get(job.partition, ()))
+                    if not choices:
+                        continue
+                    waits = {t: ledger.wait(t, n) for t in choices}
+                    gtype = min(choices, key=waits.__getitem__)
+                if not math.isinf(ledger.wait(gtype, n)):
+                    ledger.reserve(gtype, n, 0.0, job.seconds)
+        return ledger
 
     def _earliest(self, gpu_type: str, gpus: int) -> tuple[float, list[float] | None]:
         best, where = math.inf, None

@@ -30,6 +30,52 @@ class NodeInfo(NamedTuple):
     features: tuple[str, ...] = ()  # available features (slurm.conf Feature=)
 
 
+class QueuedJob(NamedTuple):
+    """A running or pending job's GPUs, from squeue: per type ("" untyped) for the whole job."""
+
+    job_id: str
+    running: bool
+    nodes: tuple[str, ...]  # where it runs (empty while pending)
+    seconds: float  # running: time left; pending: time limit (inf: none)
+    gpus: Mapping[str, int]
+    num_nodes: int
+    partition: str
+
+
+SQUEUE_FORMAT = "JobID:|,StateCompact:|,NodeList:|,TimeLeft:|,TimeLimit:|,tres-alloc:|,NumNodes:|,Partition:|,Reason:|"
+
+
+def parse_squeue(text: str) -> list[QueuedJob]:
+    """``squeue -h -t R,PD --sort=-p,i -O SQUEUE_FORMAT``: GPU jobs, highest priority first. For a
+    pending job tres-alloc is what it asks for; typed counts win over the untyped total. Held jobs
+    (JobHeldUser, JobHeldAdmin) wait for a person, not for GPUs: left out."""
+    from slurmgpu.slurm.partitions import nodelist_of
+    from slurmgpu.slurm.sacct import ParseError, parse_duration
+
+    jobs = []
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) < 9 or fields[8].startswith("JobHeld"):
+            continue
+        job_id, state, nodelist, left, limit, tres, num_nodes, partition = fields[:8]
+        gpus: dict[str, int] = {}
+        for item in tres.split(","):
+            key, _, value = item.partition("=")
+            if key.startswith("gres/gpu") and value.isdigit() and "gpumem" not in key and "gpuutil" not in key:
+                gpus[key[len("gres/gpu:"):] if ":" in key else ""] = int(value)
+        typed = {t: n for t, n in gpus.items() if t}
+        if not any(gpus.values()):
+            continue
+        try:
+            seconds = parse_duration(left if state == "R" else limit, "TimeLeft")
+            nodes = nodelist_of(nodelist) if state == "R" else ()
+        except (ParseError, ValueError):
+            continue
+        jobs.append(QueuedJob(job_id, state == "R", nodes, float("inf") if seconds is None else float(seconds),
+                              typed or gpus, int(num_nodes) if num_nodes.isdigit() else 1, partition))
+    return jobs
+
+
 class SlurmBackend(Protocol):
     name: str
 
@@ -40,6 +86,8 @@ class SlurmBackend(Protocol):
     def free_gpus(self) -> dict[str, int]: ...
 
     def default_partition(self) -> str | None: ...
+
+    def queue(self) -> list[QueuedJob]: ...
 
     def cluster_name(self) -> str | None: ...
 
@@ -107,6 +155,10 @@ class CliBackend:
             for gtype, count in parse_gres(gres).items():
                 free[gtype] = free.get(gtype, 0) + count - busy.get(gtype, 0)
         return free
+
+    def queue(self) -> list[QueuedJob]:
+        """Running and pending GPU jobs, highest priority first (all users': squeue shows them)."""
+        return parse_squeue(self._run(["squeue", "-h", "-t", "R,PD", "--sort=-p,i", "-O", SQUEUE_FORMAT]))
 
     def default_partition(self) -> str | None:
         """The partition sinfo marks with ``*``, if any."""
