@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from slurmgpu.pipeline.rewrite import describe
 from slurmgpu.pipeline.script import parse_script
 from slurmgpu.pipeline.spool import new_record, write_record
 from slurmgpu.slurm import sacct
-from slurmgpu.slurm.backend import CliBackend
+from slurmgpu.slurm.backend import CliBackend, NodeInfo, QueuedJob
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "contrib" / "examples"
@@ -53,11 +54,43 @@ def demo_config(out: Path) -> Path:
     return path
 
 
-class _Offline(CliBackend):
-    """The demo runs without a cluster: every GPU type counts as idle."""
+class _AtTheCut(CliBackend):
+    """The demo's cluster as Slurm would show it at the cut, without a cluster: the generated
+    month's jobs still running then (for the time their limit leaves them) or still queued."""
+
+    def __init__(self, jobs: Sequence[Any], cut: datetime) -> None:
+        from slurmgpu.simulation.workload import DEFAULT_CLUSTER
+        from slurmgpu.simulation.workload.schedule import simulate
+
+        super().__init__()
+        self.cluster, self.cut = DEFAULT_CLUSTER, cut
+        self.runs = [r for r in simulate(jobs, DEFAULT_CLUSTER) if r.end > cut]
+
+    def nodes(self) -> list[NodeInfo]:
+        hosts: dict[str, NodeInfo] = {}
+        for part in self.cluster.partitions:
+            for pool in part.pools:
+                for host in pool.hosts:
+                    node = hosts.get(host, NodeInfo(host, ()))
+                    hosts[host] = node._replace(partitions=tuple(dict.fromkeys((*node.partitions, part.name))),
+                                                gpus={**node.gpus, pool.gres: pool.gpus_per_node})
+        return list(hosts.values())
+
+    def queue(self) -> list[QueuedJob]:
+        out = []
+        for r in sorted(self.runs, key=lambda r: r.start):
+            running = r.start <= self.cut
+            seconds = r.job.time_limit_s - ((self.cut - r.start).total_seconds() if running else 0.0)
+            out.append(QueuedJob(r.job.job_id, running, (r.host,) if running else (), seconds,
+                                 {self.cluster.gres_name(r.gpu_type): r.gpus}, 1, r.partition))
+        return out
 
     def free_gpus(self) -> dict[str, int]:
-        return {"a100": 4, "v100": 4, "t4": 4}
+        busy: dict[str, int] = {}
+        for r in self.runs:
+            if r.start <= self.cut:
+                busy[self.cluster.gres_name(r.gpu_type)] = busy.get(self.cluster.gres_name(r.gpu_type), 0) + r.gpus
+        return {t: c - busy.get(t, 0) for n in self.nodes() for t, c in n.gpus.items()}
 
 
 class History(NamedTuple):
@@ -132,8 +165,8 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
             (new_runs / f"{job.user}-{job.family}.sh").write_text(job.script)
         if len(seen) == 8:
             break
-    env = {"SLURMGPU_CONFIG": str(config_path), "USER": "demo"}
-    decider = site_decider(config, _Offline(), env)
+    env = {"SLURMGPU_CONFIG": str(config_path), "USER": "demo", "XDG_CACHE_HOME": str(out / "cache")}
+    decider = site_decider(config, _AtTheCut(history, generated.cut), env)
     table = Table(title="4. gsbatch --dry-run (model decider; nothing submitted)", show_lines=True)
     for col in ("script", "request", "decision", "why"):
         table.add_column(col, overflow="fold")
