@@ -40,6 +40,11 @@ def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -
     return reply if isinstance(reply, dict) else None
 
 
+# How long gsbatch waits for the daemon before planning in-process: the daemon answers in a few ms
+# (README, Benchmarks); a hung one must cost a submission well under half a second.
+PLAN_TIMEOUT_S = 0.25
+
+
 def ask(socket_path: str, job: Mapping[str, Any], timeout_s: float = 0.2) -> dict[str, Any] | None:
     """The daemon's decision for a job (see slurmgpu.apps.serve), or None when it cannot say."""
     reply = call(socket_path, {"op": "decide", "job": dict(job)}, timeout_s)

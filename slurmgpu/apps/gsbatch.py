@@ -155,13 +155,13 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
 
 
 def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
-                timeout_s: float = 0.5) -> dict[str, Any] | None:
+                timeout_s: float | None = None) -> dict[str, Any] | None:
     """The plan made by ``slurmgpu serve`` (the fast path: templates and model are loaded there),
     or None when there is no daemon, it serves another config, or it does not answer in time.
     None too when the daemon refuses the job or calls the input bad: only this process stops a
     job (it plans again and finds the same refusal or error, or none), so a daemon cannot make
     gsbatch refuse what sbatch accepts."""
-    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, call
+    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, PLAN_TIMEOUT_S, call
 
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
     if inv.flags or (inv.script is None and not inv.wrap) or not os.path.exists(socket_path):
@@ -177,7 +177,8 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
     # No user name: the daemon takes it from the kernel (SO_PEERCRED), never from the request.
     reply = call(socket_path, {
         "op": "plan", "config": os.path.realpath(config.path), "script_name": inv.script, "options": list(inv.options),
-        "script": text, "env": {k: v for k, v in env.items() if k.startswith("SBATCH_")}}, timeout_s)
+        "script": text, "env": {k: v for k, v in env.items() if k.startswith("SBATCH_")}},
+        PLAN_TIMEOUT_S if timeout_s is None else timeout_s)
     if not reply:
         return None
     if reply.get("ok") and isinstance(reply.get("plan"), dict):

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
 
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
@@ -60,7 +61,7 @@ class DaemonDecider:
 
     name = "daemon"
 
-    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = 0.5,
+    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = PLAN_TIMEOUT_S,
                  config: Config | None = None) -> None:
         self.socket_path, self.user, self.fallback, self.timeout_s = socket_path, user, fallback, timeout_s
         self.config = config  # the answer is checked against it before it is used
