@@ -72,3 +72,19 @@ def test_db_commands(tmp_path: Path) -> None:
     assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "downgrade").stdout.strip().endswith("at revision base")
     jobs = sh(str(BIN / "slurmgpu"), "--db", url, "jobs", "--json")
     assert jobs.returncode == 1 and "run `slurmgpu db upgrade`" in jobs.stderr and "Traceback" not in jobs.stderr
+
+
+def test_jobs_lists_the_newest_first_and_says_what_the_limit_left_out(tmp_path: Path) -> None:
+    from slurmgpu.history import db, ingest
+    from slurmgpu.slurm import sacct
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    lines = ["JobID|User|State|Partition|Submit\n"] + [
+        f"{100 + i}|root|COMPLETED|gpu|2026-11-{1 + i:02d}T10:00:00\n" for i in range(5)]
+    ingest.load_jobs(db.make_engine(url), sacct.parse_lines(lines, None, "|", "slurmgpu"))
+    res = sh(str(BIN / "slurmgpu"), "--db", url, "jobs", "--json", "--limit", "2")
+    assert [r["job_id"] for r in json.loads(res.stdout)] == ["104", "103"]
+    assert res.stderr.strip() == "slurmgpu: showing the newest 2 jobs; 3 older ones not shown (--limit N, --since TIME)"
+    res = sh(str(BIN / "slurmgpu"), "--db", url, "jobs", "--json", "--limit", "5")
+    assert len(json.loads(res.stdout)) == 5 and res.stderr == ""

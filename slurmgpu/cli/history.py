@@ -162,12 +162,13 @@ def _ingest_file(engine: Any, path: str, columns: Any, delimiter: str, cluster: 
 @click.option("--user", help="Only this user's jobs (non-root users can only ask for their own).")
 @click.option("--since", type=click.DateTime(), help="Only jobs submitted at or after this local time.")
 @click.option("--job", "job_ids", multiple=True, help="Only this job id (as sacct prints it); repeatable.")
-@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Show at most this many jobs, the newest.")
 @click.pass_context
 def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, job_ids: tuple[str, ...],
              limit: int) -> None:
-    """Read the stored history back."""
-    from slurmgpu.history.queries import job_rows
+    """Read the stored history back, newest first; says how many matching jobs the limit left out."""
+    from slurmgpu.history.queries import job_count, job_rows
 
     me = current_user()
     if os.geteuid() != 0:
@@ -175,7 +176,13 @@ def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, jo
             fail(InputError(f"you may only list your own jobs, not {user}'s", option="--user"))
         user = me
     with database_errors(ctx):
-        rows = job_rows(history_engine(ctx), user=user, since=to_utc(since), job_ids=job_ids, limit=limit)
+        engine = history_engine(ctx)
+        rows = job_rows(engine, user=user, since=to_utc(since), job_ids=job_ids, limit=limit)
+        left_out = job_count(engine, user=user, since=to_utc(since), job_ids=job_ids) - len(rows) \
+            if len(rows) == limit else 0
+    if left_out:
+        click.echo(f"slurmgpu: showing the newest {len(rows)} jobs; {left_out} older ones not shown "
+                   "(--limit N, --since TIME)", err=True)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

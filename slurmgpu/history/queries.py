@@ -40,16 +40,22 @@ def peak_of(peaks: dict[tuple[str, str], tuple[float, float | None]], cluster: s
     return peaks.get((cluster, job_id)) or (peaks.get((cluster, str(raw))) if raw is not None else None)
 
 
-def job_rows(engine: Engine, user: str | None = None, since: datetime | None = None,
-             job_ids: Sequence[str] = (), limit: int = 1000) -> list[dict[str, Any]]:
-    """Jobs as plain dicts; GPU peaks come from the collector, else from sacct's gres/gpumem."""
-    stmt = select(Job).order_by(Job.submit_time, Job.job_id_raw, Job.job_id).limit(limit)
+def _job_filter(stmt: Any, user: str | None, since: datetime | None, job_ids: Sequence[str]) -> Any:
     if user:
         stmt = stmt.where(Job.user == user)
     if since:
         stmt = stmt.where(Job.submit_time >= since)
     if job_ids:
         stmt = stmt.where(Job.job_id.in_(list(job_ids)))
+    return stmt
+
+
+def job_rows(engine: Engine, user: str | None = None, since: datetime | None = None,
+             job_ids: Sequence[str] = (), limit: int = 1000) -> list[dict[str, Any]]:
+    """The newest ``limit`` jobs, newest first, as plain dicts; GPU peaks come from the collector,
+    else from sacct's gres/gpumem."""
+    stmt = _job_filter(select(Job), user, since, job_ids) \
+        .order_by(Job.submit_time.desc(), Job.job_id_raw.desc(), Job.job_id.desc()).limit(limit)
     with Session(engine) as session:
         jobs = list(session.scalars(stmt))
         wanted: dict[str, set[str]] = {}
@@ -57,6 +63,13 @@ def job_rows(engine: Engine, user: str | None = None, since: datetime | None = N
             wanted.setdefault(j.cluster, set()).update({j.job_id, str(j.job_id_raw)})
         peaks = gpu_peaks(session.connection(), wanted)
         return [_row(j, *(peak_of(peaks, j.cluster, j.job_id, j.job_id_raw) or (None, None))) for j in jobs]
+
+
+def job_count(engine: Engine, user: str | None = None, since: datetime | None = None,
+              job_ids: Sequence[str] = ()) -> int:
+    """How many stored jobs match (so a listing cut at its limit can say how many it left out)."""
+    with engine.connect() as conn:
+        return int(conn.execute(_job_filter(select(func.count()).select_from(Job), user, since, job_ids)).scalar_one())
 
 
 def _row(job: Any, peak: float | None, util: float | None) -> dict[str, Any]:
