@@ -88,3 +88,16 @@ def test_jobs_lists_the_newest_first_and_says_what_the_limit_left_out(tmp_path: 
     assert res.stderr.strip() == "slurmgpu: showing the newest 2 jobs; 3 older ones not shown (--limit N, --since TIME)"
     res = sh(str(BIN / "slurmgpu"), "--db", url, "jobs", "--json", "--limit", "5")
     assert len(json.loads(res.stdout)) == 5 and res.stderr == ""
+
+
+def test_render_nightly_uses_the_given_config_and_the_installed_command(tmp_path: Path, sample_config: Path) -> None:
+    """Started as `python -c ...` (argv[0] is "-c"), with --config: the unit runs the installed
+    command on that config, never a temporary path or "-c"."""
+    program = "from slurmgpu.cli.main import main; main()"
+    res = subprocess.run([sys.executable, "-c", program, "--config", str(sample_config), "render", "nightly",
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert res.returncode == 0, res.stderr
+    unit = (tmp_path / "slurmgpu-nightly.service").read_text()
+    assert f"Environment=SLURMGPU_CONFIG={sample_config.resolve()}\n" in unit
+    assert f"ExecStart={Path(sys.executable).parent / 'slurmgpu'} nightly\n" in unit
+    assert f"SLURMGPU_CONFIG={sample_config.resolve()}" in (tmp_path / "slurmgpu.cron").read_text()

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from slurmgpu.cli.common import fail, write_file
+from slurmgpu.cli.common import fail, site_config, write_file
 from slurmgpu.pipeline.errors import InputError
 
 
@@ -19,13 +19,16 @@ def render_group() -> None:
 @render_group.command("nightly")
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Directory to write into.")
 @click.option("--user", default="slurmgpu", show_default=True, help="Account the nightly job runs as.")
-@click.option("--config-path", default="/etc/slurmgpu/slurmgpu.toml", show_default=True)
+@click.option("--config-path", help="Config the nightly run reads (default: the one this command was given, "
+                                    "else /etc/slurmgpu/slurmgpu.toml).")
 @click.option("--at", "at", default="03:17", show_default=True, help="Local time of day, HH:MM.")
 @click.option("--log", default="/var/log/slurmgpu/nightly.log", show_default=True)
 @click.option("--timeout", default="4h", show_default=True,
               help="Stop a nightly run after this long (N, Ns, Nm or Nh): a hung sacct, database or spool "
                    "must not hold every later night.")
-def render_nightly(out: str, user: str, config_path: str, at: str, log: str, timeout: str) -> None:
+@click.pass_context
+def render_nightly(ctx: click.Context, out: str, user: str, config_path: str | None, at: str, log: str,
+                   timeout: str) -> None:
     """Write slurmgpu-nightly.service, slurmgpu-nightly.timer and slurmgpu.cron."""
     import re as _re
     import shutil
@@ -39,12 +42,21 @@ def render_nightly(out: str, user: str, config_path: str, at: str, log: str, tim
         fail(InputError(f"invalid time of day {at!r} (expected HH:MM)", option="--at"))
     if not _re.fullmatch(r"[1-9]\d{0,5}[smh]?", timeout):
         fail(InputError(f"invalid duration {timeout!r} (expected N, Ns, Nm or Nh)", option="--timeout"))
+    if config_path is None:
+        config = site_config(ctx, required=False)
+        config_path = os.path.realpath(config.path) if config else "/etc/slurmgpu/slurmgpu.toml"
+    # The installed command: beside this interpreter (a venv's bin/), else on PATH; never argv[0],
+    # which is "-c" or a temporary file when slurmgpu was started another way.
+    beside = os.path.join(os.path.dirname(sys.executable), "slurmgpu")
+    program = beside if os.access(beside, os.X_OK) else shutil.which("slurmgpu")
+    if program is None:
+        fail(InputError("cannot find the installed slurmgpu command (not beside this Python, not on PATH)"))
     for name, value in (("--user", user), ("--config-path", config_path), ("--log", log)):
         if not _re.fullmatch(r"[A-Za-z0-9_./@-]+", value):
             fail(InputError(f"unsafe characters in {value!r}", option=name))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
-    values = {"user": user, "config": config_path, "bin": os.path.abspath(shutil.which("slurmgpu") or sys.argv[0]),
+    values = {"user": user, "config": config_path, "bin": os.path.abspath(program),
               "on_calendar": f"*-*-* {int(m.group(1)):02d}:{m.group(2)}:00", "hour": int(m.group(1)),
               "minute": int(m.group(2)), "log": log, "timeout": timeout}
     os.makedirs(out, exist_ok=True)
