@@ -228,3 +228,24 @@ def test_unseen_types_and_counts_are_hardware_plausible(config) -> None:
     assert table[("a100", 4)] >= table[("v100", 4)] * speed["v100"] / speed["a100"] * 0.999
     for change in d.changes:
         assert change.gpus_total in (None, 4)
+
+
+def test_a_history_without_gpu_memory_trains_and_places_no_job_where_it_does_not_fit(config) -> None:
+    """sacct alone (no collector, no gres/gpumem): outcomes bound memory. Checked on new jobs of
+    every family, batch size (beyond the history's too) and requested type, with A100s busy."""
+    import itertools
+
+    blind = [{**r, "peak": None} for r in history(2000)]
+    bundle, _ = train.fit(blind, config, quantile=0.995, iterations=200)
+    assert bundle.memory_source == "outcomes"
+    moved = 0
+    for family, batch, gtype in itertools.product(FAMILIES, (8, 16, 32, 64, 128), ("a100", "v100", "t4")):
+        text = script_for(family, batch, 1000, gtype)
+        _, fixed, per_token, _ = FAMILIES[family]
+        true_peak = fixed + per_token * math.exp(script_features(text)["log_tokens"])
+        d = decide(bundle, config, text, free={"a100": 0, "v100": 4, "t4": 4})
+        new_type = d.changes[0].gpu_type if d.changes else None
+        if new_type and new_type != gtype:
+            moved += 1
+            assert true_peak <= MEM[new_type], (family, batch, gtype, new_type, d.reasons)
+    assert moved >= 3  # it still helps: small jobs leave the busy A100s

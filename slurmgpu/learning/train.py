@@ -15,9 +15,10 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
 from slurmgpu.history.db import GpuUsage, Job, Submission
+from slurmgpu.learning.censored import INF, memory_interval
 from slurmgpu.pipeline.bundle import BUNDLE_VERSION, Bundle, TreeEnsemble, analytic_base_mib, family_base_mib
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.features import NUMERIC, HistoryStats, job_features, script_features
+from slurmgpu.pipeline.features import HELD, NUMERIC, HistoryStats, job_features, script_features
 
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
@@ -82,7 +83,8 @@ class _Running:
         view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
                 "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
-                "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:"))}
+                "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
+                **{k: v for k, v in s.items() if k.startswith(HELD)}}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
             b = (s["tp"] - s["t"] * s["p"] / m) / var
@@ -101,6 +103,11 @@ class _Running:
                                                     "tp", "tmin", "pmin"), 0.0))
         s["n"] += 1
         s[f"shape:{row['gpus']}x{row['gpu_type']}"] = 1.0  # the GPU counts and types it ran on
+        interval = memory_interval(row, row.get("card_gib", 0.0) * 1024)
+        if interval is not None and interval[1] != INF and row.get("card_gib"):
+            # "held:<GiB>:<GPUs>": the most tokens (log) a run of this family survived on GPUs that size
+            held = f"{HELD}{row['card_gib']:g}:{row['gpus']}"
+            s[held] = max(s.get(held, -INF), row["script"]["log_tokens"])
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
         elif row["peak"]:
@@ -139,7 +146,8 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
         base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
         oom = gpu_oom(row, config)
         examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
-        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"]})
+        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"], "oom": oom,
+                     "card_gib": gpu["memory_gib"]})
     return examples, running.snapshot()
 
 
@@ -151,21 +159,28 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     examples, snapshot = build_examples(rows, config)
     mem = [e for e in examples if e["peak"] and not e["oom"]]
     run = [e for e in examples if e["state"] == "COMPLETED" and e["elapsed"]]
-    if len(mem) < 20 or len(run) < 20:
-        raise ValueError(f"too little history to train: {len(mem)} jobs with GPU memory, {len(run)} completed")
-    # The newest fifth calibrates the quantile (split conformal): trees fitted on older jobs, whose
-    # family bases rested on less history, are too optimistic about the upper tail of newer ones.
-    cut = int(len(mem) * 0.8)
-    fit_part, calib = mem[:cut], mem[cut:]
-    progress(f"memory model on {len(fit_part)} jobs, calibrated on {len(calib)}")
-    m_mem = CatBoostRegressor(iterations=iterations, depth=6, loss_function=f"Quantile:alpha={quantile}",
-                              verbose=0, allow_writing_files=False, thread_count=2, random_seed=0)
-    m_mem.fit([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part])
-    # Calibrated on jobs whose family has history: the only ones the decider acts on, and a first
-    # job of an unknown family (an analytic base) would otherwise set the margin for everyone.
-    known = [e for e in calib if _known(e, config)] or calib
-    gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in known)
-    calibration = max(gaps[min(int(math.ceil(quantile * (len(gaps) + 1))) - 1, len(gaps) - 1)], 0.0)
+    if len(run) < 20:
+        raise ValueError(f"too little history to train: {len(run)} completed GPU jobs (20 needed)")
+    if len(mem) >= 20:
+        # The newest fifth calibrates the quantile (split conformal): trees fitted on older jobs, whose
+        # family bases rested on less history, are too optimistic about the upper tail of newer ones.
+        cut = int(len(mem) * 0.8)
+        fit_part, calib = mem[:cut], mem[cut:]
+        progress(f"memory model on {len(fit_part)} jobs with GPU memory, calibrated on {len(calib)}")
+        m_mem = CatBoostRegressor(iterations=iterations, depth=6, loss_function=f"Quantile:alpha={quantile}",
+                                  verbose=0, allow_writing_files=False, thread_count=2, random_seed=0)
+        m_mem.fit([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part])
+        # Calibrated on jobs whose family has history: the only ones the decider acts on, and a first
+        # job of an unknown family (an analytic base) would otherwise set the margin for everyone.
+        known = [e for e in calib if _known(e, config)] or calib
+        gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in known)
+        calibration = max(gaps[min(int(math.ceil(quantile * (len(gaps) + 1))) - 1, len(gaps) - 1)], 0.0)
+        memory, source = _shifted(TreeEnsemble.from_catboost(m_mem), calibration), "telemetry"
+    else:
+        # No GPU-memory field (most sites' sacct): the per-GPU estimate stays the family or analytic
+        # base, and the decider moves a job only to cards its family's outcomes show it holds on.
+        progress(f"only {len(mem)} jobs with GPU memory: memory from outcomes (cards each family held on)")
+        memory, source = {"trees": [{"splits": [], "leaves": [0.0]}], "scale": 1.0, "bias": 0.0}, "outcomes"
     progress(f"runtime model on {len(run)} jobs")
 
     def runtime_model(part: list[dict[str, Any]]) -> Any:
@@ -184,7 +199,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     m_run = runtime_model(run)
     bundle = Bundle({
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
-        "memory": _shifted(TreeEnsemble.from_catboost(m_mem), calibration),
+        "memory": memory, "memory_source": source,
         "runtime": TreeEnsemble.from_catboost(m_run), "runtime_spread": spread,
         "history": {"families": snapshot.families},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],

@@ -147,8 +147,9 @@ def analytic_base_mib(f: Mapping[str, float]) -> float:
 
 
 def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float | None:
-    """Per-family linear base a + b*tokens (b >= 0) from history; None without history."""
-    if not fam or fam.get("n", 0) < 1:
+    """Per-family linear base a + b*tokens (b >= 0) from history; None without a measured peak
+    (a history of outcomes alone: the analytic base then stands)."""
+    if not fam or fam.get("n", 0) < 1 or (fam.get("b", 0.0) <= 0 and fam.get("log_peak_max", 0.0) <= 0):
         return None
     tokens = math.exp(f["log_tokens"])
     a, b = fam.get("a", 0.0), fam.get("b", 0.0)
@@ -214,6 +215,11 @@ class Bundle:
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
+        # "telemetry": a memory model of measured peaks; "outcomes": none measured, the decider moves
+        # a job only to cards its family's outcomes show it holds on (HistoryStats.held_bound_gib).
+        self.memory_source = data.get("memory_source", "telemetry")
+        if self.memory_source not in ("telemetry", "outcomes"):
+            raise ModelFileError(f"memory_source: {json.dumps(self.memory_source)[:40]} is not telemetry or outcomes")
         self.quantile = _number(data.get("quantile"), "quantile")
         if not 0.0 < self.quantile < 1.0:
             raise ModelFileError(f"quantile: must be between 0 and 1, got {self.quantile:g}")

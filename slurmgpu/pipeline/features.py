@@ -190,6 +190,11 @@ def script_features(script: str) -> dict[str, Any]:
     }
 
 
+# Family statistic "held:<GiB>:<GPUs>": the most tokens per GPU (log) a run of the family survived
+# on that many GPUs of that size (learning/censored.py says which outcomes count).
+HELD = "held:"
+
+
 class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
@@ -198,6 +203,18 @@ class HistoryStats:
 
     def family(self, key: str) -> Mapping[str, float]:
         return self.families.get(key, {})
+
+    def held_bound_gib(self, key: str, log_tokens: float, gpus: int) -> float | None:
+        """The smallest card (GiB) on which a run of family KEY with at least these tokens per GPU
+        held on at most ``gpus`` GPUs (more GPUs never need more memory each: data-parallel copies
+        are the same size, sharded state shrinks); None when no outcome covers the job."""
+        sizes = []
+        for name, most in self.family(key).items():
+            if name.startswith(HELD):
+                _, gib, count = name.split(":")
+                if int(count) <= gpus and float(most) >= log_tokens - 1e-9:
+                    sizes.append(float(gib))
+        return min(sizes, default=None)
 
 
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],

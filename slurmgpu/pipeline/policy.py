@@ -260,7 +260,14 @@ class ModelDecider:
             else:
                 runtime = self._plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
                                                   gt.name, c, min(need or req_total, req_total))
-            table.append(Candidate(gt.name, c, peak * (1 + policy.memory_margin) <= gt.memory_gib * 1024, peak,
+            fits = peak * (1 + policy.memory_margin) <= gt.memory_gib * 1024
+            if getattr(self.bundle, "memory_source", "telemetry") == "outcomes":
+                # No measured peaks: only a card the family's outcomes show it holds on (or the
+                # request itself, where the estimate allows) counts as fitting.
+                held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], c)
+                asked_shape = c == req_total and (req_type is None or gt.name == req_type)
+                fits = (held is not None and held <= gt.memory_gib) or (asked_shape and fits)
+            table.append(Candidate(gt.name, c, fits, peak,
                                    runtime, self._expected_wait(gt.name, c, free)))
         per_type = tuple(table)
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
