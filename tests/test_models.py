@@ -249,3 +249,12 @@ def test_a_history_without_gpu_memory_trains_and_places_no_job_where_it_does_not
             moved += 1
             assert true_peak <= MEM[new_type], (family, batch, gtype, new_type, d.reasons)
     assert moved >= 3  # it still helps: small jobs leave the busy A100s
+
+
+def test_a_bf16_job_is_never_moved_to_a_card_without_bf16(trained, config) -> None:
+    """bert and llama train with --bf16: with every A100 busy, V100 and T4 (no bf16) are not offered."""
+    for family in ("bert", "llama"):
+        d = decide(trained[0], config, script_for(family, 8, 1000, "a100"), free={"a100": 0, "v100": 4, "t4": 4})
+        assert {c.gpu_type for c in d.per_type} <= {"a100"} and not any(ch.gpu_type for ch in d.changes), d.reasons
+    d = decide(trained[0], config, script_for("resnet", 8, 1000, "a100"), free={"a100": 0, "v100": 4, "t4": 4})
+    assert "v100" in {c.gpu_type for c in d.per_type}  # fp16 runs on a V100

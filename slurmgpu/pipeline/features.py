@@ -48,7 +48,8 @@ _OPTION_VALUE = {
 }
 _FLAGS = {
     "fp16": ("--fp16", "--amp", "--half", "--mixed-precision=fp16", "--mixed_precision=fp16"),
-    "bf16": ("--bf16", "--mixed-precision=bf16", "--mixed_precision=bf16"),
+    "bf16": ("--bf16", "--mixed-precision=bf16", "--mixed_precision=bf16", "--mixed-precision bf16",
+             "--mixed_precision bf16", "bfloat16"),
     "lora": ("--lora", "--use_lora", "--use-lora", "--peft", "--qlora"),
     "ckpt": ("--gradient-checkpointing", "--gradient_checkpointing", "--activation-checkpointing"),
     "int8": ("--load_in_8bit", "--load-in-8bit", "--8bit", "--load_in_4bit", "--load-in-4bit", "--qlora"),
@@ -180,6 +181,7 @@ def script_features(script: str) -> dict[str, Any]:
         "seq_len": seq,
         "log_tokens": math.log(max(batch * seq, 1.0)),
         "precision_bits": precision,
+        "bf16": flags["bf16"],  # not a model input: the decider keeps bf16 jobs on cards that run it
         "lora": flags["lora"],
         "ckpt": flags["ckpt"],
         "int8": flags["int8"],

@@ -205,6 +205,7 @@ class ModelDecider:
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.pipeline.features import job_features, script_features
+        from slurmgpu.pipeline.hardware import supports_bf16
         from slurmgpu.pipeline.launch import launch_need
 
         rule = self.rules.decide(request)
@@ -237,6 +238,8 @@ class ModelDecider:
         options: list[tuple[GpuType, int, dict[str, float]]] = []
         for part in offered:
             for gtype in part.gpu_types:
+                if sf.get("bf16") and gtype != req_type and supports_bf16(gtype) is False:
+                    continue  # pipeline/hardware.py: a bf16 job is never moved to a card without bf16
                 gt = self.config.gpu_types[gtype]
                 gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
                 counts = range(min(fewest, req_total), min(req_total, part.gpus_per_node) + 1) \
