@@ -28,6 +28,17 @@ local SITE = {
     },
 }
 
+-- Advise or rewrite, and waivers, from the admin config when rendered (slurmgpu/pipeline/modes.py):
+-- user (by uid, resolved when rendered) over account over partition over the global mode. Nothing
+-- the job or its environment says changes them. advise: the decision is logged, never applied.
+local MODES = {
+    default = "rewrite",
+    uids = {},
+    accounts = {},
+    partitions = {},
+}
+local WAIVERS = {}
+
 local TIMEOUT_S = CONFIG.timeout_ms / 1000
 local MAX_REQUEST = 262143  -- bytes of one request line: the daemon refuses longer ones
 local MAX_REPLY = 65536
@@ -305,6 +316,40 @@ local function changes_for(job_desc, apply, part_list)
     return changes
 end
 
+-- The mode for this job, and which config entry set it (the same order as modes.resolve_mode).
+local function mode_of(job_desc, part_list)
+    local uid = job_desc.user_id and string.format("%d", job_desc.user_id) or ""
+    if MODES.uids[uid] then return MODES.uids[uid], "user " .. uid end
+    local account = job_desc.account or job_desc.default_account or ""
+    if MODES.accounts[account] then return MODES.accounts[account], "account " .. account end
+    for name in (job_desc.partition or default_partition(part_list) or ""):gmatch("[^,]+") do
+        if MODES.partitions[name] then return MODES.partitions[name], "partition " .. name end
+    end
+    return MODES.default, "default"
+end
+
+-- An active waiver for this job's user or account and family (the daemon names the family).
+local function waiver_for(job_desc, family)
+    if type(family) ~= "string" then return nil end
+    local today = os.date("%Y-%m-%d")
+    local uid = job_desc.user_id and string.format("%d", job_desc.user_id) or ""
+    local account = job_desc.account or job_desc.default_account or ""
+    for _, w in ipairs(WAIVERS) do
+        if w.family == family and today <= w.expires and ((w.uid and w.uid == uid) or (w.account and w.account == account)) then
+            return w
+        end
+    end
+    return nil
+end
+
+local function describe(changes)
+    local text = {}
+    for _, c in ipairs(changes) do
+        text[#text + 1] = string.format("%s %s -> %s", c.field, tostring(c.old or "(default)"), c.new)
+    end
+    return table.concat(text, ", ")
+end
+
 -- Which jobs: batch jobs asking for GPUs, not decided by gsbatch, in the covered scope.
 
 local function in_scope(job_desc, part_list)
@@ -349,9 +394,15 @@ local function decide(job_desc, part_list)
     end
     local who = string.format("job %s of %s", tostring(job_desc.name or "?"), tostring(job_desc.user_name or job_desc.user_id))
     local decision, err, broken = consult(job_desc)
-    local changes
+    local changes, mode, source = nil, mode_of(job_desc, part_list)
     if decision then
-        changes, err = changes_for(job_desc, decision.apply, part_list)
+        local advice = decision.advice
+        if decision.mode == "advise" and type(advice) == "table" and next(advice) then
+            mode, source = "advise", decision.mode_source or source
+            changes, err = changes_for(job_desc, advice, part_list)
+        else
+            changes, err = changes_for(job_desc, decision.apply, part_list)
+        end
         broken = not changes
     end
     if not changes then
@@ -370,16 +421,25 @@ local function decide(job_desc, part_list)
         log_info(string.format("%s kept as submitted: %s", who, why))
         return
     end
-    local text = {}
-    for _, c in ipairs(changes) do
-        text[#text + 1] = string.format("%s %s -> %s", c.field, tostring(c.old or "(default)"), c.new)
+    local text = describe(changes)
+    local waiver = waiver_for(job_desc, decision.family)
+    if waiver then
+        log_info(string.format("%s kept as submitted: %s (would change: %s)", who, waiver.text, text))
+        return
+    end
+    if mode == "advise" then
+        log_info(string.format("advised (%s): %s would change: %s (%s); submitted as written", source, who, text, why))
+        if slurm.log_user then  -- shown by sbatch to the user who submitted
+            slurm.log_user("%s", clean("slurmgpu advice: " .. text .. " (" .. why .. "); submitted as written"))
+        end
+        return
     end
     if CONFIG.dry_run then
-        log_info(string.format("dry run: %s would change: %s (%s)", who, table.concat(text, ", "), why))
+        log_info(string.format("dry run: %s would change: %s (%s)", who, text, why))
         return
     end
     for _, c in ipairs(changes) do job_desc[c.field] = c.new end
-    log_info(string.format("%s changed: %s (%s)", who, table.concat(text, ", "), why))
+    log_info(string.format("%s changed: %s (%s)", who, text, why))
 end
 
 function slurm_job_submit(job_desc, part_list, submit_uid)

@@ -446,6 +446,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     config, fallback = _load(inv, env)
     try:
         p = _decide(inv, env, config, backend, fallback or decider, stdin_data)
+        p = resolve_mode(inv, config, p)
         out = checked(inv, p)
     except Exception as exc:  # noqa: BLE001 - any slurmgpu fault must not stop the job
         if isinstance(exc, InputError) and not isinstance(exc, ConfigError):
@@ -457,6 +458,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return as_written(inv, backend, env, stdin_data, f"slurmgpu failed ({_fault(exc)})")
     for text in out.notes:
         _note(sys.stderr, "note", text)
+    _mode_notes(p)
     if out.refused:
         _note(sys.stderr, "error", f"{inv.script or 'job'}: {out.refused}")
         return 1
@@ -485,6 +487,59 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if "--test-only" not in inv.options:
         record(config, env, inv, p, result)
     return result.code
+
+
+def _account(user: str | None) -> str | None:
+    """The user's default Slurm account (the one a job naming none is charged to), or None."""
+    import subprocess
+
+    if not user:
+        return None
+    try:
+        done = subprocess.run(["sacctmgr", "-nP", "show", "user", user, "format=defaultaccount"],
+                              capture_output=True, text=True, timeout=2, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    name = done.stdout.strip().splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else ""
+    return name or None
+
+
+def resolve_mode(inv: Invocation, config: Config | None, p: dict[str, Any]) -> dict[str, Any]:
+    """The plan as the admin's mode and waivers want it submitted (pipeline/modes.py): advise mode
+    or a waiver puts the submission back as written, the decision kept in the record. The user is
+    whom the kernel says gsbatch runs as, never an environment variable."""
+    if config is None or (config.modes.trivial and not config.waivers):
+        return p
+    import pwd
+
+    from slurmgpu.pipeline import modes
+
+    record: dict[str, Any] = p["record"] if isinstance(p.get("record"), dict) else {}
+    original = record.get("original_request") or {}
+    features = record.get("script_features") or {}
+    try:
+        user: str | None = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = None
+    account = original.get("account")
+    if account is None and modes.needs_account(config.modes, config.waivers):
+        account = _account(user)
+    resolution = modes.resolve(config.modes, config.waivers, user=user, account=account,
+                               partition=original.get("partition"), family=features.get("family"),
+                               default_partition=config.default_partition)
+    return modes.apply_resolution(p, resolution, inv.options)
+
+
+def _mode_notes(p: Mapping[str, Any]) -> None:
+    """One line when advise mode or a waiver kept a decision from being applied."""
+    decision = p.get("decision") or {}
+    if decision.get("waived"):
+        _note(sys.stderr, "note", f"request kept as written: {'; '.join(decision.get('reasons') or [])}")
+    elif decision.get("advised"):
+        from slurmgpu.pipeline.modes import advice_line
+
+        record = p.get("record") or {}
+        _note(sys.stderr, "advice", advice_line(record.get("original_request"), decision))
 
 
 def _change_notes(inv: Invocation, out: Outcome) -> None:

@@ -69,7 +69,7 @@ import pwd
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu import __version__
@@ -77,6 +77,7 @@ from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, 
 from slurmgpu.pipeline.bundle import Bundle  # imported here, as root: after --run-as the install may be unreadable
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.modes import ADVISE, Resolution, advised, resolve, waived
 
 try:  # a long-running daemon can afford numpy: it evaluates all candidate types in one pass
     import numpy  # noqa: F401
@@ -265,6 +266,7 @@ class Service:
         self.started = time.monotonic()
         self.count = 0  # requests handled (several threads count: see _counter)
         self.stopped = threading.Event()
+        self.today: Callable[[], date] = date.today  # waivers expire by this clock (tests freeze it)
         if self.model_path and not self.check_model():
             log.warning("no usable model yet (%s): requests are kept as written until one appears", self.model.error)
 
@@ -389,7 +391,41 @@ class Service:
         except RewriteError as exc:
             decision = decision._replace(changes=(), reasons=(*decision.reasons, f"not applied: {exc}"))
             apply = {}
-        return {**decision.to_json(), "request": describe(request.main), "apply": apply}
+        out = {**decision.to_json(), "request": describe(request.main), "apply": apply}
+        return self.moderated(out, job, request, who or identify(job, None))
+
+    def resolution(self, who: Who, account: Any, partition: Any,
+                   script_text: str | None) -> tuple[Resolution, str | None]:
+        """The admin config's mode and waiver for this job (never anything the request says of
+        them), and the job's family key."""
+        family = None
+        if script_text is not None:
+            from slurmgpu.pipeline.features import script_features
+
+            try:
+                family = script_features(script_text)["family"]
+            except ValueError:
+                family = None
+        config = self.config
+        return resolve(config.modes, config.waivers, user=who.name,
+                       account=account if isinstance(account, str) else None,
+                       partition=partition if isinstance(partition, str) else None, family=family,
+                       default_partition=config.default_partition, today=self.today()), family
+
+    def moderated(self, out: dict[str, Any], job: Mapping[str, Any], request: JobRequest, who: Who) -> dict[str, Any]:
+        """A decide reply under the mode and waivers: a waiver keeps the request (its reason in
+        ``reasons``); advise mode moves ``apply`` to ``advice``, so a hook of any version applies
+        nothing. ``mode`` and ``family`` tell the hook what the daemon resolved."""
+        if self.config.modes.trivial and not self.config.waivers:
+            return {**out, "mode": "rewrite", "advice": {}}
+        res, family = self.resolution(who, job.get("account"), job.get("partition"),
+                                      request.script.text if request.script else None)
+        apply = out["apply"]
+        if res.waiver is not None and out.get("changes") and not out.get("refused"):
+            out, apply = waived(out, res.waiver), {}
+        if res.mode == ADVISE:
+            out, apply = {**advised(out, res), "advice": apply}, {}
+        return {**out, "mode": res.mode, "family": family, "apply": apply, "advice": out.get("advice", {})}
 
     def health(self) -> dict[str, Any]:
         m = self.model
@@ -434,7 +470,12 @@ class Service:
             return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
         result = (f"refused: {decision['refused']}" if decision["refused"] else
                   " ".join(f"{k}={v}" for k, v in decision["apply"].items()) or "kept")
-        self._log(who, t0, request=decision["request"], result=result, decider=decision["decider"])
+        if decision.get("advice"):
+            result = "advised: " + " ".join(f"{k}={v}" for k, v in decision["advice"].items())
+        elif decision.get("waiver"):
+            result = f"kept: {decision['reasons'][0]}"
+        self._log(who, t0, request=decision["request"], result=result, decider=decision["decider"],
+                  mode=decision.get("mode", "rewrite"))
         return {"ok": True, "decision": decision}
 
     def plan(self, message: Mapping[str, Any], who: Who | None = None) -> Plan:
@@ -463,8 +504,19 @@ class Service:
         decision = made.decision
         result = (f"refused: {decision.refusal}" if decision.refusal else
                   "rewritten" if made.submission.changed else "kept")
+        mode = "rewrite"
+        if not (self.config.modes.trivial and not self.config.waivers) and made.request is not None:
+            # Logged only: gsbatch applies the mode itself, from the same config (pipeline/modes.py).
+            comp = made.request.main
+            res, _ = self.resolution(who, comp.account, comp.partition,
+                                     made.request.script.text if made.request.script else None)
+            mode = res.mode
+            if made.submission.changed and res.waiver is not None:
+                result = f"kept: {res.waiver.text()}"
+            elif made.submission.changed and res.mode == ADVISE:
+                result = "advised"
         self._log(who, t0, request=describe(made.request.main) if made.request else "-", result=result,
-                  decider=decision.decider)
+                  decider=decision.decider, mode=mode)
         return {"ok": True, "plan": made.to_json()}
 
     @staticmethod

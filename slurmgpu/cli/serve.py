@@ -50,6 +50,53 @@ def lua_site(config: Any) -> str:
             if parts else f"{{ types = {lua_set(list(config.gpu_types))}, partitions = {{}} }}")
 
 
+def _uid(name: str) -> str | None:
+    import pwd
+
+    try:
+        return str(pwd.getpwnam(name).pw_uid)
+    except KeyError:
+        return None
+
+
+def lua_modes(config: Any) -> str:
+    """The config's modes as a Lua table; users by uid (slurmctld's authenticated one), resolved now."""
+    modes = config.modes
+    uids = {}
+    for name, mode in modes.users.items():
+        uid = _uid(name)
+        if uid is None:
+            click.echo(f"warning: user {name} in [policy.modes] users is unknown here: the hook cannot match it "
+                       "(render on a host with the cluster's users)", err=True)
+        else:
+            uids[uid] = mode
+
+    def table(entries: dict[str, str]) -> str:
+        return "{" + ", ".join(f"[{lua_string(k)}] = {lua_string(v)}" for k, v in sorted(entries.items())) + "}"
+
+    return (f"{{\n    default = {lua_string(modes.default)},\n    uids = {table(uids)},\n"
+            f"    accounts = {table(dict(modes.accounts))},\n    partitions = {table(dict(modes.partitions))},\n}}")
+
+
+def lua_waivers(config: Any) -> str:
+    """The config's waivers as a Lua list (a user's by uid; the text is the reason the hook logs)."""
+    rows = []
+    for w in config.waivers:
+        who = f"account = {lua_string(w.account)}" if w.account is not None else None
+        if w.user is not None:
+            uid = _uid(w.user)
+            if uid is None:
+                click.echo(f"warning: waiver for user {w.user} is unknown here: the hook cannot match it", err=True)
+                continue
+            who = f"uid = {lua_string(uid)}"
+        rows.append(f"    {{ {who}, family = {lua_string(w.family)}, expires = {lua_string(w.expires.isoformat())}, "
+                    f"text = {lua_string(w.text())} }},")
+    return "{\n" + "\n".join(rows) + "\n}" if rows else "{}"
+
+
+NO_MODES = '{ default = "rewrite", uids = {}, accounts = {}, partitions = {} }'
+
+
 def render(template: str, **values: Any) -> str:
     import jinja2
 
@@ -143,15 +190,17 @@ def lua_render(ctx: click.Context, out: str, socket_path: str, timeout_ms: int, 
 
     root = ctx.find_root().obj
     path = find_config(root.get("config_path") if isinstance(root, dict) else None)
-    site = "nil"
+    site, modes, waivers = "nil", NO_MODES, "{}"
     if path is None:
         click.echo("warning: no slurmgpu config found: the hook will apply no answer (pass --config)", err=True)
     else:
         try:
-            site = lua_site(load_config(path))
+            config = load_config(path)
         except InputError as exc:
             fail(exc)
-    text = render("lua/job_submit.lua.j2", site=site, enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
+        site, modes, waivers = lua_site(config), lua_modes(config), lua_waivers(config)
+    text = render("lua/job_submit.lua.j2", site=site, modes=modes, waivers=waivers,
+                  enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
                   socket=_check("--socket", socket_path), timeout_ms=timeout_ms, backoff_s=backoff_s,
                   marker=DECIDED_MARKER, partitions=_names("--partitions", partitions),
                   accounts=_names("--accounts", accounts), users=_names("--users", users))

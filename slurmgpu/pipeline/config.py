@@ -11,9 +11,11 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from datetime import date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.errors import ConfigError
+from slurmgpu.pipeline.modes import FAMILY, MODES, REWRITE, Modes, Waiver
 
 SYSTEM_CONFIG = "/etc/slurmgpu/slurmgpu.toml"  # a str: pathlib costs gsbatch start-up time
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -44,6 +46,7 @@ class Policy(NamedTuple):
     memory_margin: float = 0.10
     min_history: int = 3  # jobs of a family before its predictions are trusted
     scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
+    mode: str = REWRITE  # "advise": decide and record, submit as written (see pipeline/modes.py)
 
 
 class Site(NamedTuple):
@@ -62,6 +65,8 @@ class Config(NamedTuple):
     partitions: Mapping[str, Partition]
     policy: Policy = Policy()
     site: Site = Site()
+    modes: Modes = Modes()  # [policy] mode and [policy.modes]: advise or rewrite, per user/account/partition
+    waivers: tuple[Waiver, ...] = ()  # [[waivers]]
 
     @property
     def default_partition(self) -> str | None:
@@ -120,13 +125,14 @@ def load_config(path: str | os.PathLike[str], cache_dir: str | None = None) -> C
                 except Exception:  # noqa: BLE001 - the user's cache, edited or broken: the file decides
                     pass
             raw = _parse_toml(fh, path)
-            if cache:
-                _store(cache, key, raw)
     except FileNotFoundError:
         raise ConfigError("config file not found", file=path) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config: {exc.strerror}", file=path) from None
-    return parse_config(raw, path)
+    config = parse_config(raw, path)
+    if cache:  # only a config that passed every check is kept
+        _store(cache, key, raw)
+    return config
 
 
 def _parse_toml(fh: Any, path: str) -> dict[str, Any]:
@@ -158,12 +164,19 @@ def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
     return None
 
 
+def _iso_date(value: Any) -> str:
+    """A TOML date (a waiver's ``expires``) in JSON: as ``YYYY-MM-DD``, which the check reads back."""
+    if type(value) is date:
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def _store(cache: str, key: list[Any], raw: dict[str, Any]) -> None:
-    """Keep the parsed config for the next load; a config JSON cannot hold (TOML dates) is not kept."""
+    """Keep the parsed config for the next load; a config JSON cannot hold (TOML times) is not kept."""
     from slurmgpu.pipeline.spool import write_private
 
     try:
-        write_private(cache, json.dumps({"key": key, "config": raw}).encode())
+        write_private(cache, json.dumps({"key": key, "config": raw}, default=_iso_date).encode())
     except (OSError, TypeError, ValueError):
         pass
 
@@ -251,7 +264,11 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         memory_margin=pol.number("memory_margin", 0.10, above=False),
         min_history=int(pol.number("min_history", 3, above=False)),
         scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),
+        mode=pol.get("mode", str, REWRITE),
     )
+    if policy.mode not in MODES:
+        raise pol._err("mode", f"must be one of {', '.join(MODES)}, got {policy.mode!r}")
+    modes = _modes(pol.get("modes", dict, {}), policy.mode, path)
     if policy.decider not in DECIDERS:
         raise pol._err("decider", f"must be one of {', '.join(DECIDERS)}, got {policy.decider!r}")
     if policy.objective not in OBJECTIVES:
@@ -260,5 +277,58 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
     st = _Table(top.get("site", dict, {}), "site", path)
     site = Site(*(st.get(key, str, None) for key in Site._fields))
     st.done()
+    waivers = _waivers(top.get("waivers", list, []), path)
     top.done()
-    return Config(path, types, parts, policy, site)
+    return Config(path, types, parts, policy, site, modes, waivers)
+
+
+def _modes(raw: dict[str, Any], default: str, path: str) -> Modes:
+    """``[policy.modes]``: ``users``, ``accounts``, ``partitions``, each a table of name = mode."""
+    t = _Table(raw, "policy.modes", path)
+    scopes: dict[str, dict[str, str]] = {}
+    for scope in ("users", "accounts", "partitions"):
+        entries = t.get(scope, dict, {})
+        for name, mode in entries.items():
+            if not _NAME.match(name):
+                raise t._err(scope, f"invalid name {name!r}")
+            if mode not in MODES:
+                raise t._err(f"{scope}.{name}", f"must be one of {', '.join(MODES)}, got {mode!r}")
+        scopes[scope] = dict(entries)
+    t.done()
+    return Modes(default, scopes["partitions"], scopes["accounts"], scopes["users"])
+
+
+def _waivers(raw: list[Any], path: str) -> tuple[Waiver, ...]:
+    """``[[waivers]]``: user or account (one of them), family, reason, owner, expires (a date)."""
+    out = []
+    for i, body in enumerate(raw):
+        t = _Table(body, f"waivers[{i}]", path)
+        user, account = t.get("user", str, None), t.get("account", str, None)
+        if (user is None) == (account is None):
+            raise t._err("user", "give exactly one of user and account")
+        for key, name in (("user", user), ("account", account)):
+            if name is not None and not _NAME.match(name):
+                raise t._err(key, f"invalid name {name!r}")
+        family = t.get("family", str)
+        if not FAMILY.match(family):
+            raise t._err("family", f"must be a family key (12 hex digits, as `slurmgpu parse --json` prints it), "
+                                   f"got {family!r}")
+        texts = {}
+        for key in ("reason", "owner"):
+            value = t.get(key, str).strip()
+            if not value or len(value) > 200 or any(not c.isprintable() for c in value):
+                raise t._err(key, "must be one line of printable text, 1 to 200 characters")
+            texts[key] = value
+        expires = t.get("expires", object)
+        if isinstance(expires, datetime) or not isinstance(expires, (date, str)):
+            raise t._err("expires", f"must be a date (2025-06-30), got {type(expires).__name__}")
+        if isinstance(expires, str):
+            try:
+                expires = date.fromisoformat(expires) if re.fullmatch(r"\d{4}-\d{2}-\d{2}", expires) else None
+            except ValueError:
+                expires = None
+            if expires is None:
+                raise t._err("expires", "must be a date (2025-06-30)")
+        t.done()
+        out.append(Waiver(family, texts["reason"], texts["owner"], expires, user, account))
+    return tuple(out)
