@@ -1,7 +1,7 @@
 """gsbatch: sbatch with the GPU request put right.
 
 Takes exactly sbatch's arguments plus ``--dry-run``, ``--diff``, ``--explain``,
-``--no-rewrite`` and ``--gs-config=PATH``. The job always reaches sbatch: bad user input is
+``--no-rewrite``, ``--gpu-mem=SIZE`` and ``--gs-config=PATH``. The job always reaches sbatch: bad user input is
 refused with sbatch-style one-line errors (exit 1), and any failure of slurmgpu itself (config,
 model, daemon, a bug) falls back to submitting the job exactly as written, stdin included, with
 one warning line and sbatch's own output and exit code. Nothing after sbatch has run (the
@@ -34,6 +34,8 @@ gsbatch options (everything else is sbatch's):
       --diff             print a unified diff of the rewrite; submit nothing
       --explain          show the decision and its reasons on stderr
       --no-rewrite       submit exactly as written (as does a '#GSBATCH --no-rewrite' line)
+      --gpu-mem=SIZE     a GPU type with at least SIZE memory per GPU (24G, 40GB, 80GiB, 24000M);
+                         wins over a '#GSBATCH --gpu-mem=SIZE' line
       --gs-config=PATH   slurmgpu config file (default: $SLURMGPU_CONFIG, /etc/slurmgpu/slurmgpu.toml)
 """
 
@@ -48,6 +50,7 @@ class Invocation(NamedTuple):
     script_args: tuple[str, ...] = ()
     wrap: bool = False
     pass_through: bool = False
+    gpu_mem: str | None = None  # --gpu-mem=SIZE as typed ("" when given without a size)
 
     def sbatch_words(self, options: Sequence[str] | None = None, script: str | None = None) -> list[str]:
         words = list(self.options if options is None else options)
@@ -65,9 +68,15 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
     words = list(argv)
     try:
         opts, operand = split_options(words)
+        while gap := next((o for o in opts if not o.known and o.name == "--gpu-mem" and o.value is None
+                           and o.first + 1 == operand < len(words)), None):
+            # '--gpu-mem 24G': sbatch's splitting took the size for the script; it is the option's value
+            words[gap.first:gap.first + 2] = [f"--gpu-mem={words[gap.first + 1]}"]
+            opts, operand = split_options(words)
     except OptionError:
         return Invocation(options=tuple(words), pass_through=True)  # let sbatch word the error itself
     flags, config, own = set(), None, set()
+    gpu_mem: str | None = None
     for o in opts:
         if not o.known and o.name in OWN_FLAGS:
             flags.add(o.name)
@@ -75,10 +84,14 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
         elif not o.known and o.name == "--gs-config":
             config = o.value
             own.add(o.first)
+        elif not o.known and o.name == "--gpu-mem":  # gsbatch's own: never handed to sbatch
+            gpu_mem = o.value or ""
+            own.add(o.first)
     options = tuple(w for j, w in enumerate(words[:operand]) if j not in own)
     names = {o.name for o in opts}
     wrap = "wrap" in names
-    base = Invocation(frozenset(flags), config, options, wrap=wrap, pass_through=bool(names & PASS_THROUGH))
+    base = Invocation(frozenset(flags), config, options, wrap=wrap, pass_through=bool(names & PASS_THROUGH),
+                      gpu_mem=gpu_mem)
     tail = tuple(words[operand:])
     if tail[:1] == (":",):  # a command-line hetjob: passed on untouched
         return base._replace(options=options + tail, pass_through=True)
@@ -150,7 +163,8 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
                 stdin_data = read_stdin(stdin)
             script = parse_script(stdin_data, "<stdin>")
     features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
-    made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags)
+    made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags,
+                     gpu_mem=inv.gpu_mem)
     return made._replace(stdin=stdin_data)
 
 
@@ -164,8 +178,9 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
     from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, PLAN_TIMEOUT_S, call
 
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
-    if inv.flags or (inv.script is None and not inv.wrap) or not os.path.exists(socket_path):
-        return None  # dry runs, explanations and stdin scripts are planned here
+    if inv.flags or inv.gpu_mem is not None or (inv.script is None and not inv.wrap) \
+            or not os.path.exists(socket_path):
+        return None  # dry runs, explanations, --gpu-mem and stdin scripts are planned here
     data = None
     if inv.script is not None:
         try:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
-from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.rewrite import Submission, apply
-from slurmgpu.pipeline.script import BatchScript
+from slurmgpu.pipeline.script import GPU_MEM, BatchScript, parse_gpu_mem
 
 
 class Plan(NamedTuple):
@@ -34,15 +35,35 @@ class Plan(NamedTuple):
 
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
-              gpu_features: Set[str], no_rewrite: bool = False) -> Plan:
-    """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input."""
+              gpu_features: Set[str], no_rewrite: bool = False, gpu_mem: str | None = None) -> Plan:
+    """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input.
+    ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's."""
     request = build_request(script, options, env, gpu_features)
+    ask = gpu_mem_ask(script, gpu_mem)
     if no_rewrite or (script is not None and script.keep_marker):
         why = "--no-rewrite given; request kept" if no_rewrite or script is None else script.keep_reason
         decision = KeepDecider(why).decide(request)
+        if ask is not None:
+            decision = decision._replace(reasons=(*decision.reasons, f"{ask.label} not applied: {why}"))
+    elif ask is not None:
+        decision = decide_gpu_mem(decider, request, ask)
     else:
         decision = decider.decide(request)
     return Plan(request, decision, apply(request, decision))
+
+
+def gpu_mem_ask(script: BatchScript | None, cli: str | None) -> GpuMemAsk | None:
+    """``--gpu-mem`` as asked: the command line's, else the script's ``#GSBATCH`` line's; a size
+    that cannot be read is an InputError naming the option (and the line, in the script)."""
+    if cli is not None:
+        return GpuMemAsk(parse_gpu_mem(cli), cli, "command line")
+    if script is None or script.gpu_mem is None:
+        return None
+    value, line = script.gpu_mem
+    try:
+        return GpuMemAsk(parse_gpu_mem(value), value, f"{script.path}:{line}")
+    except InputError as exc:
+        raise exc.located(file=script.path, line=line) from None
 
 
 LEGACY_KEEP_NOTE = ("'#SLURMGPU keep' is deprecated: plain sbatch refuses a script with it (\"Change from #SLURM "
@@ -52,7 +73,9 @@ LEGACY_KEEP_NOTE = ("'#SLURMGPU keep' is deprecated: plain sbatch refuses a scri
 def notes(plan: Plan) -> list[str]:
     """What the user should hear about the script itself, one line each."""
     script = plan.request.script if plan.request else None
-    return [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
+    said = [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
+    # --gpu-mem asked but not applied (an opt-out, or a decider that changes nothing): said, not silent
+    return said + [r for r in plan.decision.reasons if r.startswith(GPU_MEM + " ") and " not applied: " in r]
 
 
 def record_fields(plan: Plan) -> dict[str, Any]:

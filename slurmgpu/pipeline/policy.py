@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
-from slurmgpu.pipeline.config import Config, GpuType
+from slurmgpu.pipeline.config import Config, GpuType, Partition
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
 
@@ -290,16 +290,19 @@ class ModelDecider:
         enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
         choices = [c for c in enough if c is not None and c.gpu_type in home
                    and self._in_time(c, baseline, comp.time_limit_s)]
+        # What would make the request as asked fit (or how close it runs): part of the reason line.
+        hint = self._fit_hint(request, sf, req, baseline, table, seen, offered) if not baseline.fits \
+            else _borderline(baseline, self.config.gpu_types[baseline.gpu_type], policy.memory_margin)
         if not choices:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
-                                    "request kept", per_type)
+                                    "request kept" + hint, per_type)
         best = min(choices, key=lambda c: self._score(c, baseline))
         gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline)
         if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
             gain = 1.0
         if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
-            return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept",
-                              per_type)
+            return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept"
+                                    + hint, per_type)
         partition = home[best.gpu_type]
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
@@ -307,13 +310,98 @@ class ModelDecider:
         if not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with margin); {best.gpus} x {best.gpu_type} fits "
-                   f"({best.pred_peak_mem_mib / 1024:.1f} GiB)")
+                   f"({best.pred_peak_mem_mib / 1024:.1f} GiB){hint}")
             return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
         why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} predicted to finish in "
                f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
                f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
-               f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits")
+               f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
+               f"{_borderline(best, self.config.gpu_types[best.gpu_type], policy.memory_margin)}")
         return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
+
+    def _fits(self, peak_mib: float, gt: GpuType, family: str, log_tokens: float, gpus: int,
+              asked_shape: bool) -> bool:
+        """The table's fit test for one shape (with the outcome bound where the bundle has no peaks)."""
+        fits = peak_mib * (1 + self.config.policy.memory_margin) <= gt.memory_gib * 1024
+        if getattr(self.bundle, "memory_source", "telemetry") == "outcomes":
+            held = self.bundle.history.held_bound_gib(family, log_tokens, gpus)
+            fits = (held is not None and held <= gt.memory_gib) or (asked_shape and fits)
+        return fits
+
+    def _fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Candidate,
+                  table: list[Candidate], seen: set[str], offered: list[Any]) -> str:
+        """For a request predicted not to fit: the largest batch size that fits the requested card
+        (the bundle evaluated again with the batch changed, when the script writes one), and the
+        smallest request that holds the job as written: a larger card from the table, or, for a
+        ZeRO-sharded job, more GPUs of the requested type. Every figure is the one tested."""
+        from slurmgpu.pipeline.features import command_lines, job_features, main_command, option_values
+
+        gt = self.config.gpu_types[baseline.gpu_type]
+        gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
+        family, hints = sf["family"], []
+
+        def peak(feats: Mapping[str, Any], gpus: int) -> float:
+            pred = self.bundle.predict(job_features(feats, req, gpu, gpus, self.bundle.history), family)
+            return float(pred.peak_mem_mib) * (1.0 if f"{gpus}x{gt.name}" in seen else self.unseen_penalty)
+
+        batch = int(sf["batch_size"])
+        words = main_command(command_lines(request.script.text if request.script else "")).split()
+        if batch > 1 and "batch_size" in option_values(words):
+            def at(b: int) -> tuple[bool, float]:
+                feats = {**sf, "batch_size": float(b), "log_tokens": math.log(max(b * float(sf["seq_len"]), 1.0))}
+                p = peak(feats, baseline.gpus)
+                return self._fits(p, gt, family, feats["log_tokens"], baseline.gpus, True), p
+
+            ok, low_peak = at(1)
+            if ok:  # the prediction grows with the batch (near enough): the largest batch that still fits
+                lo, hi, found = 1, batch - 1, (1, low_peak)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    fit, p = at(mid)
+                    if fit:
+                        lo, found = mid, (mid, p)
+                    else:
+                        hi = mid - 1
+                hints.append(f"batch size {found[0]} would fit {baseline.gpus} x {gt.name} "
+                             f"(predicted peak {found[1] / 1024:.1f} GiB of {gt.memory_gib:g} GiB)")
+        mem = self.config.gpu_types
+        larger = [c for c in table if c.fits and c.gpus == baseline.gpus and mem[c.gpu_type].memory_gib > gt.memory_gib]
+        holds = []
+        if larger:
+            c = min(larger, key=lambda c: (mem[c.gpu_type].memory_gib, c.pred_peak_mem_mib))
+            holds.append(f"{c.gpus} x {c.gpu_type} ({mem[c.gpu_type].memory_gib:g} GiB, predicted peak "
+                         f"{c.pred_peak_mem_mib / 1024:.1f} GiB)")
+        if float(sf.get("zero", 0.0)) > 0 and request.main.nodes == 1:
+            most = max((p.gpus_per_node for p in offered if gt.name in p.gpu_types), default=0)
+            for k in range(baseline.gpus + 1, most + 1):
+                p = peak(sf, k)
+                if self._fits(p, gt, family, float(sf["log_tokens"]), k, False):
+                    holds.append(f"{k} x {gt.name} with ZeRO sharding (predicted peak {p / 1024:.1f} GiB per GPU)")
+                    break
+        if holds:
+            hints.append("smallest request that holds it: " + " or ".join(holds))
+        return "".join(f"; hint: {h}" for h in hints)
+
+    def predicted_peak_mib(self, request: JobRequest, gpu_type: str, gpus: int) -> float | None:
+        """The per-GPU peak the model predicts for this job on ``gpus`` x ``gpu_type`` (MiB, doubted
+        as in the table when the family never ran that shape), or None when the model has no say:
+        no script, a heterogeneous job, or too little history of the family."""
+        from slurmgpu.pipeline.features import job_features, script_features
+
+        if request.script is None or request.is_hetjob or gpu_type not in self.config.gpu_types:
+            return None
+        sf = script_features(request.script.text)
+        fam = self.bundle.history.family(sf["family"])
+        if fam.get("n", 0) < self.config.policy.min_history:
+            return None
+        comp = request.main
+        gt = self.config.gpu_types[gpu_type]
+        req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(comp.gpu_type)}
+        feats = job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus,
+                             self.bundle.history)
+        seen = set(fam.get("shapes", ())) | {f"{comp.gpus_total}x{comp.gpu_type}"}
+        peak = float(self.bundle.predict(feats, sf["family"]).peak_mem_mib)
+        return peak * (1.0 if f"{gpus}x{gpu_type}" in seen else self.unseen_penalty)
 
     def _plausible_runtime(self, model_s: float, asked_s: float, asked_type: str, asked_gpus: int,
                            gpu_type: str, gpus: int, used: int) -> float:
@@ -366,6 +454,151 @@ class ModelDecider:
         if objective == "cheapest":
             return cost / base_cost if done <= base_done * self.config.policy.scaling_factor else math.inf
         return 0.5 * done / base_done + 0.5 * cost / base_cost
+
+
+BORDERLINE = 0.15  # a fitting peak (with margin) this close to the card is worth a word
+
+
+def _borderline(c: Candidate, gt: GpuType, margin: float) -> str:
+    """A note when a fitting choice's predicted peak, with the margin, is within 15% of its card."""
+    with_margin = c.pred_peak_mem_mib * (1 + margin) / 1024
+    if not c.fits or with_margin < (1 - BORDERLINE) * gt.memory_gib or with_margin > gt.memory_gib:
+        return ""
+    return (f"; borderline: predicted peak {with_margin:.1f} GiB (with the {margin:.0%} margin) "
+            f"of {gt.memory_gib:g} GiB on {gt.name}")
+
+
+class GpuMemAsk(NamedTuple):
+    """``--gpu-mem``: at least this much memory per GPU, as the user spelled it and where."""
+
+    gib: float
+    spelled: str
+    where: str  # "command line" or "FILE:LINE"
+
+    @property
+    def shown(self) -> str:
+        """The size in GiB as shown: two decimals at most, the figure compared is ``gib`` itself."""
+        return f"{self.gib:.2f}".rstrip("0").rstrip(".")
+
+    @property
+    def label(self) -> str:
+        """``--gpu-mem 24 GiB``, with the user's spelling when it was not in G (``24000M``)."""
+        plain = self.spelled.strip().upper().removesuffix("B").removesuffix("I") == f"{self.shown}G"
+        return f"--gpu-mem {self.shown} GiB" + ("" if plain else f" ({self.spelled.strip()})")
+
+
+def _gib(value: float) -> str:
+    return f"{value:g} GiB"
+
+
+def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk) -> Decision:
+    """``--gpu-mem``: a typed request for a GPU type with at least ``ask.gib`` per GPU, chosen by
+    the policy's objective among the job's partition's types, else in another configured partition
+    that has one and admits the job (the decider's ``admits``, where it has one). The count stays
+    as asked (1 GPU when the job asks for none); the decider's other changes do not apply, so a
+    model cannot move the job to a smaller card. A model decider adds its predicted peak to the
+    reason. No such type anywhere, or a request that cannot carry it, is a refusal naming the option.
+    A decider without a config (no config, ``decider = "keep"``) decides alone: nothing changes."""
+    config = getattr(decider, "config", None)
+    name = getattr(decider, "name", "keep")
+    if not isinstance(config, Config):
+        kept = decider.decide(request)
+        return kept._replace(reasons=(*kept.reasons, f"{ask.label} not applied: {name} decider, nothing changes"))
+    label, comp = ask.label, request.main
+    admits: Admits | None = getattr(decider, "admits", None)
+
+    def refuse(why: str) -> Decision:
+        return Decision(refusal=f"{label}: {why}", decider=name)
+
+    if request.is_hetjob:
+        return refuse("not for heterogeneous jobs; write the GPU type in each component")
+    if comp.rewrite_blocker:
+        return refuse(f"the GPU request cannot be rewritten ({comp.rewrite_blocker})")
+    types = config.gpu_types
+    largest = max(types.values(), key=lambda t: t.memory_gib)
+    if largest.memory_gib < ask.gib:
+        return refuse(f"no configured GPU type has that much memory per GPU (largest: {largest.name}, "
+                      f"{_gib(largest.memory_gib)})")
+    pinned = [t for t in (config.type_for_feature(f) for f in comp.constraint_gpu_types) if t]
+    current = comp.gpu_type if comp.gpu_type in types else None
+    if current is None and comp.gpu_type:
+        current = config.type_for_feature(comp.gpu_type)
+    if current and types[current].memory_gib >= ask.gib:
+        pool = [current]  # the type asked for already holds it: it stays
+    elif pinned:
+        pool = [t for t in dict.fromkeys(pinned) if types[t].memory_gib >= ask.gib]
+        if not pool:
+            return refuse(f"--constraint pins {', '.join(f'{t} ({_gib(types[t].memory_gib)})' for t in pinned)}")
+    else:
+        pool = [t for t in types if types[t].memory_gib >= ask.gib]
+    count = comp.gpus_total or 1
+    per_node = comp.gpus_per_node if comp.gpus and (comp.nodes_set or any(g.per != "job" for g in comp.gpus)) \
+        else (1 if not comp.gpus else None)
+
+    def room(p: Partition) -> bool:
+        return (per_node or 0) <= p.gpus_per_node and count <= p.gpus_per_node * p.nodes
+
+    asked = comp.partitions or ([config.default_partition] if config.default_partition else [])
+    known = [config.partitions[p] for p in asked if p in config.partitions]
+    own = list(dict.fromkeys(t for p in known if room(p) for t in p.gpu_types if t in pool))
+    target: Partition | None = None
+    moved = ""
+    if own:
+        choice = _by_objective(own, types, config.policy.objective)
+    else:
+        others = [p for p in config.partitions.values() if p not in known and room(p)
+                  and any(t in pool for t in p.gpu_types)]
+        refused = {p.name: admits(p.name, comp) for p in others} if admits else {}
+        open_to_job = [p for p in others if refused.get(p.name) is None]
+        where = ",".join(asked) or "(default)"
+        if not open_to_job:
+            why = "; ".join(f"{n}: {r}" for n, r in refused.items() if r)
+            return refuse(f"partition {where} has no GPU type with that much memory"
+                          + (f" and no partition that has one admits the job ({why})" if why else
+                             " for this request, nor does any other configured partition"))
+        choice = _by_objective(list(dict.fromkeys(t for p in open_to_job for t in p.gpu_types if t in pool)),
+                               types, config.policy.objective)
+        target = next(p for p in open_to_job if choice in p.gpu_types)
+        moved = (f"; partition {where} is not in the slurmgpu config" if not known else
+                 f"; partition {where} has none that large") + f", moved to {target.name}, which has {choice}"
+    small = list(dict.fromkeys(t for p in known for t in p.gpu_types if types[t].memory_gib < ask.gib))
+    if current and current in small and current not in pool:
+        small = [current, *(t for t in small if t != current)]
+    too_small = "".join(f"{t} has {_gib(types[t].memory_gib)}, " for t in small)
+    if choice == current and target is None:
+        why = f"{label}: the requested {choice} has {_gib(types[choice].memory_gib)}; request kept"
+    elif choice == current:
+        why = f"{label}: the requested {choice} has {_gib(types[choice].memory_gib)}{moved}"
+    else:
+        rule = {"balanced": "the smallest card that holds it"}.get(config.policy.objective)
+        why = (f"{label}: {too_small}{choice} ({_gib(types[choice].memory_gib)}) chosen "
+               f"({config.policy.objective}{': ' + rule if rule else ''}){moved}")
+    if not comp.gpus:
+        why += f"; the job asked for no GPU: {count} x {choice} added"
+    predicted = decider.predicted_peak_mib(request, choice, count) if isinstance(decider, ModelDecider) else None
+    if predicted is not None:
+        why += f"; asked for >= {ask.shown} GiB per GPU; predicted peak {predicted / 1024:.1f} GiB"
+    if choice == current and target is None:
+        return Decision(reasons=(why,), decider=name)
+    change = ComponentChange(comp.index, gpu_type=choice if choice != current or not comp.gpus else None,
+                             gpus_total=count if not comp.gpus else None,
+                             partition=target.name if target else None)
+    return Decision((change,), (why,), decider=name)
+
+
+def _by_objective(names: list[str], types: Mapping[str, GpuType], objective: str) -> str:
+    """Without a prediction for the job, a type by the hardware figures alone: ``fastest`` the
+    highest relative speed, ``cheapest`` the least cost for the same work (cost / speed),
+    ``balanced`` the smallest card that holds the request. Ties go to the smaller card."""
+    def key(n: str) -> tuple[float, ...]:
+        t = types[n]
+        work_cost = t.cost / max(t.relative_speed, 1e-9)
+        if objective == "fastest":
+            return (-t.relative_speed, t.memory_gib, work_cost)
+        if objective == "cheapest":
+            return (work_cost, t.memory_gib)
+        return (t.memory_gib, work_cost)
+    return min(names, key=key)
 
 
 def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[], Mapping[str, int]] | None = None,

@@ -85,7 +85,16 @@ def _ask_text(g: GpuAsk) -> str:
 
 
 def _new_gpu_value(comp: ComponentRequest, change: ComponentChange) -> tuple[GpuAsk, str]:
-    """The new value for the component's GPU option, in the unit the user chose."""
+    """The new value for the component's GPU option, in the unit the user chose; a component
+    that asks for no GPU gets ``--gres=gpu:TYPE:N`` (per node), after any other gres it names."""
+    if not comp.gpus:
+        if not change.gpu_type or not change.gpus_total:
+            raise RewriteError("no GPU request to change; not rewritten")
+        other = comp.options["gres"].value if "gres" in comp.options else None
+        entry = f"gpu:{change.gpu_type}:{change.gpus_total}"
+        origin = comp.options["gres"].origin if "gres" in comp.options else Origin("script")
+        return GpuAsk(change.gpu_type, change.gpus_total, "node", "gres", origin), ",".join(
+            [e for e in (other or "").split(",") if e and e.lower() != "none"] + [entry])
     ask = comp.gpus[0]
     if len({g.option for g in comp.gpus}) > 1:
         raise RewriteError("GPUs requested through several options; not rewritten")

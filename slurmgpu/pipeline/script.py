@@ -20,7 +20,8 @@ MAGIC = "#SBATCH"
 # gsbatch's own in-script options: sbatch ignores these lines, so a script that carries them still
 # goes through plain sbatch. Read like #SBATCH lines: at a line's start, before the first command.
 GS_MAGIC = "#GSBATCH"
-GS_OPTIONS = ("--no-rewrite",)
+GS_OPTIONS = ("--no-rewrite", "--gpu-mem")
+GPU_MEM = "--gpu-mem"  # --gpu-mem=SIZE: a GPU type with at least that much memory per GPU
 # The first opt-out spelling; sbatch 22.05 refuses a script with it ("Change from #SLURM to #SBATCH").
 LEGACY_KEEP = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
 _LOOKS_LIKE_DIRECTIVE = re.compile(r"^[ \t]*#+[ \t]*sbatch", re.IGNORECASE)
@@ -79,8 +80,9 @@ class BatchScript(NamedTuple):
     components: int
     first_command_line: int | None
     line_starts: tuple[int, ...]
-    gsbatch_options: tuple[str, ...] = ()  # from #GSBATCH lines
+    gsbatch_options: tuple[str, ...] = ()  # from #GSBATCH lines (option names; values below)
     legacy_keep: bool = False  # a '#SLURMGPU keep' line
+    gpu_mem: tuple[str, int] | None = None  # '#GSBATCH --gpu-mem=SIZE': (SIZE as written, line); the last wins
 
     @property
     def keep_marker(self) -> bool:
@@ -195,6 +197,7 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
     directives: list[Directive] = []
     ignored: list[IgnoredDirective] = []
     gs_options: list[str] = []
+    gs_values: dict[str, tuple[str, int]] = {}
     component = 0
     first_command: int | None = None
     for idx, begin in enumerate(starts):
@@ -216,7 +219,7 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
             directives.extend(_directives_of_line(words, lineno, component, path))
             continue
         if line.startswith(GS_MAGIC):
-            gs_options.extend(_gsbatch_options(text, begin, end, path, lineno, first_command, ignored))
+            gs_options.extend(_gsbatch_options(text, begin, end, path, lineno, first_command, ignored, gs_values))
             continue
         stripped = line.lstrip(" \t\v\f\r")
         if stripped and not stripped.startswith("#"):
@@ -239,13 +242,16 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
         line_starts=tuple(starts),
         gsbatch_options=tuple(dict.fromkeys(gs_options)),
         legacy_keep=bool(LEGACY_KEEP.search(text)),
+        gpu_mem=gs_values.get(GPU_MEM),
     )
 
 
 def _gsbatch_options(text: str, begin: int, end: int, path: str, lineno: int, first_command: int | None,
-                     ignored: list[IgnoredDirective]) -> list[str]:
+                     ignored: list[IgnoredDirective], values: dict[str, tuple[str, int]] | None = None) -> list[str]:
     """The gsbatch options of one #GSBATCH line. sbatch ignores the line, so nothing on it can
-    make gsbatch refuse the script: what it does not know is listed as ignored instead."""
+    make gsbatch refuse the script: what it does not know is listed as ignored instead. An
+    option's value (``--gpu-mem=24G`` or ``--gpu-mem 24G``) goes into ``values`` with its line;
+    it is checked when the plan is made, where a bad one is an error of gsbatch's own option."""
     line = text[begin:end]
     if first_command is not None:
         ignored.append(IgnoredDirective(lineno, line, f"after the first command (line {first_command})"))
@@ -255,11 +261,46 @@ def _gsbatch_options(text: str, begin: int, end: int, path: str, lineno: int, fi
     except InputError as exc:
         ignored.append(IgnoredDirective(lineno, line, f"unreadable gsbatch directive: {exc.message}"))
         return []
-    unknown = [w for w in words if w not in GS_OPTIONS]
+    found: list[str] = []
+    unknown: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name, eq, value = word.partition("=")
+        if name == GPU_MEM:
+            if not eq and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                value, i = words[i + 1], i + 1
+            found.append(name)
+            if values is not None:
+                values[name] = (value, lineno)
+        elif word in GS_OPTIONS and word != GPU_MEM:
+            found.append(word)
+        else:
+            unknown.append(word)
+        i += 1
     if unknown:
         ignored.append(IgnoredDirective(lineno, line, f"unknown gsbatch option {unknown[0]} "
                                                       f"(known: {', '.join(GS_OPTIONS)})"))
-    return [w for w in words if w in GS_OPTIONS]
+    return found
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT])(?:i?B)?\s*$", re.IGNORECASE)
+_UNIT_GIB = {"K": 1.0 / 1024 ** 2, "M": 1.0 / 1024, "G": 1.0, "T": 1024.0}
+
+
+def parse_gpu_mem(value: str | None) -> float:
+    """``--gpu-mem``'s size in GiB: ``24G``, ``40GB``, ``80GiB``, ``24000M`` (units are powers of
+    1024, as in Slurm's ``--mem``). A number without a unit is refused rather than guessed."""
+    if value is None or not value.strip():
+        raise InputError("needs a size per GPU, e.g. --gpu-mem=24G", option=GPU_MEM)
+    m = _SIZE.match(value)
+    if not m:
+        hint = f" (write {value.strip()}G or {value.strip()}M)" if re.fullmatch(r"\s*[\d.]+\s*", value) else ""
+        raise InputError(f"cannot read size {value!r}{hint}: a number and a unit, K, M, G or T", option=GPU_MEM)
+    gib = float(m.group(1)) * _UNIT_GIB[m.group(2).upper()]
+    if gib <= 0:
+        raise InputError(f"size {value!r} must be above zero", option=GPU_MEM)
+    return gib
 
 
 def _directives_of_line(words: list[Word], lineno: int, component: int, path: str) -> list[Directive]:
