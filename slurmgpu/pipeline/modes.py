@@ -149,7 +149,8 @@ def apply_resolution(plan: Mapping[str, Any], resolution: Resolution, options: S
         new = advised(decision, resolution)
     else:
         return dict(plan)
-    as_written: dict[str, Any] = {"script_text": None, "cli_words": list(options), "env_overrides": {}, "changed": False}
+    as_written: dict[str, Any] = {"script_text": None, "cli_words": list(options), "env_overrides": {},
+                                  "changed": False}
     return _with(plan, new, as_written)
 
 
@@ -157,7 +158,8 @@ def _with(plan: Mapping[str, Any], decision: dict[str, Any], submission: Mapping
     out = dict(plan, decision=decision, submission=dict(submission))
     record = plan.get("record")
     if isinstance(record, dict):
-        out["record"] = dict(record, decision=decision, changed=bool(submission.get("changed")))
+        kept = record.get("decision") if isinstance(record.get("decision"), dict) else {}
+        out["record"] = dict(record, decision={**kept, **decision}, changed=bool(submission.get("changed")))
     return out
 
 
@@ -191,7 +193,8 @@ def advice_line(original: Mapping[str, Any] | None, decision: Mapping[str, Any])
     except (ValueError, KeyError, TypeError, IndexError):
         reasons = [str(r) for r in decision.get("reasons") or []]
         why = f" ({reasons[-1]})" if reasons else ""
-        return f"{shape}{where} instead of {asked}{why}; submitted as written"
+        was = f" in partition {original['partition']}" if where and original.get("partition") else ""
+        return f"{shape}{where} instead of {asked}{was}{why}; submitted as written"
     if t_base > 0 and t_new < t_base:
         gain = f" ({(t_base - t_new) / t_base:.0%} sooner)"
     elif t_new > t_base:
