@@ -144,3 +144,28 @@ def test_a_record_the_database_refuses_keeps_no_other_out(db_url: str, tmp_path:
     assert os.listdir(spool_dir) == []
     with engine.connect() as conn:
         assert sorted(conn.execute(select(db.Submission.record_id)).scalars()) == sorted(r["record_id"] for r in recs)
+
+
+def test_migration_0002_down_and_up_keeps_the_data(db_url: str) -> None:
+    """0002 (GPU-OOM outcome, decision ids) goes down to 0001 and up again on every backend, and the
+    rows stored before keep their values."""
+    engine = db.make_engine(db_url)
+    ingest.load_jobs(engine, [job("1", comment="slurmgpu:d=0123456789ab;m=model")])
+    engine.dispose()
+    db.downgrade(db_url, "0001")
+    assert db.current_revision(db_url) == "0001"
+    engine = db.make_engine(db_url)
+    cols = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in ("jobs", "gpu_usage", "submissions")}
+    assert "decision_id" not in cols["jobs"] | cols["submissions"] and "gpu_oom" not in cols["gpu_usage"]
+    engine.dispose()
+    db.upgrade(db_url)
+    engine = db.make_engine(db_url)
+    cols = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in ("jobs", "gpu_usage", "submissions")}
+    assert {"gpu_oom", "gpu_oom_line"} <= cols["gpu_usage"] and "decision_id" in cols["jobs"] & cols["submissions"]
+    with engine.connect() as conn:
+        assert conn.execute(select(db.Job.comment, db.Job.decision_id)).one() == ("slurmgpu:d=0123456789ab;m=model",
+                                                                                   None)
+    again = ingest.load_jobs(engine, [job("1", comment="slurmgpu:d=0123456789ab;m=model")])
+    assert again.updated == 1  # the next ingest fills the id in
+    with engine.connect() as conn:
+        assert conn.execute(select(db.Job.decision_id)).scalar() == "0123456789ab"

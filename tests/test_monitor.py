@@ -277,7 +277,8 @@ def test_a_reader_never_sees_a_partial_record(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("change", "field"), [
     (lambda d: d.pop("hostname"), "hostname: missing"),
-    (lambda d: d.update(version=2), "version: expected 1, got 2"),
+    (lambda d: d.update(version=3), "version: expected one of 1, 2, got 3"),
+    (lambda d: d.update(version="2"), 'version: expected one of 1, 2, got "2"'),
     (lambda d: d.update(samples="6"), 'samples: expected int, got "6"'),
     (lambda d: d.update(samples=True), "samples: expected int, got true"),
     (lambda d: d.update(user=3), "user: expected string or null, got 3"),

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -32,7 +33,17 @@ from slurmgpu.collector.devices import (
     TraceEnded,
     select_gpus,
 )
-from slurmgpu.collector.records import JOB_ID, SCHEMA_VERSION, Collected, GpuRecord, JobRecord, write_record
+from slurmgpu.collector.oom import scan_stderr
+from slurmgpu.collector.records import (
+    JOB_ID,
+    MAX_STR,
+    SCHEMA_VERSION,
+    Collected,
+    GpuOomRecord,
+    GpuRecord,
+    JobRecord,
+    write_record,
+)
 from slurmgpu.pipeline.spool import atomic_write
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -150,7 +161,52 @@ def _process_tree(root: int) -> frozenset[int]:
     return frozenset(tree)
 
 
-# ---- the spool record ------------------------------------------------------------------------
+# ---- the job's outcome: a GPU OOM in its stderr -----------------------------------------------
+
+SCONTROL_TIMEOUT_S = 5.0
+# `scontrol show job -o` prints "... StdErr=<path> StdIn=<path> ..."; the path may hold spaces.
+_STDERR = re.compile(r" StdErr=(.*?) StdIn=")
+
+
+def job_stderr(job_id: str, timeout: float = SCONTROL_TIMEOUT_S) -> str | None:
+    """The job's stderr path as slurmctld holds it (it still knows the job in the Epilog), or None.
+
+    A user's comment or job name could spell " StdErr=" too: the path is only a hint, and the file
+    is read only when the job's own user owns it (``scan_stderr(owner=...)``)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                             errors="surrogateescape", timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = _STDERR.findall(out.stdout) if out.returncode == 0 else []
+    return found[-1] if found and found[-1].startswith("/") else None
+
+
+def _job_uid(env: Mapping[str, str]) -> int | None:
+    """Whose the job is: SLURM_JOB_UID (slurmd sets it for the Prolog and Epilog), else this process's
+    user when it is not root (a collector started inside the job)."""
+    uid = env.get("SLURM_JOB_UID", "")
+    if uid.isdigit():
+        return int(uid)
+    return os.getuid() if os.getuid() != 0 else None
+
+
+def gpu_oom_outcome(job_id: str, stderr: str | None, env: Mapping[str, str],
+                    lookup: Callable[[str], str | None] = job_stderr) -> GpuOomRecord | None:
+    """A GPU OOM message at the end of the job's stderr, for its record; None when there is none or
+    the file cannot be found or read (never an error: the record goes without it).
+
+    ``stderr`` given on the command line is the admin's word and read as it is; a path looked up
+    from slurmctld is read only if the job's user owns the file."""
+    owner = None
+    if stderr is None:
+        owner = _job_uid(env)
+        stderr = lookup(job_id) if owner is not None else None
+        if stderr is None:
+            return None
+    found = scan_stderr(stderr, owner=owner)
+    return GpuOomRecord(found.framework, found.line.replace("\0", "")[:MAX_STR]) if found else None
+
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -190,6 +246,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cluster", help="default: SLURM_CLUSTER_NAME")
     run.add_argument("--run-dir", help="write <job id>.pid here, for `slurmgpu-monitor stop`")
     run.add_argument("--recorded", metavar="TRACE.json", help="replay a recorded trace instead of NVML")
+    run.add_argument("--stderr", metavar="PATH", help="the job's stderr, scanned for a GPU OOM when it ends "
+                                                      "(default: from `scontrol show job`)")
+    run.add_argument("--no-oom-scan", action="store_true", help="do not look for a GPU OOM in the job's stderr")
     stop = sub.add_parser("stop", help="stop the job's collector (from an Epilog) and wait for its record")
     stop.add_argument("--job-id", help="default: as for run")
     stop.add_argument("--run-dir", required=True)
@@ -267,10 +326,16 @@ def _collect(args: argparse.Namespace, stop: threading.Event) -> JobRecord | Non
         _warn(f"job {args.job_id}: no samples taken; no record written")
         return None
     env = os.environ
+    oom = None
+    if not args.no_oom_scan:
+        try:
+            oom = gpu_oom_outcome(args.job_id, args.stderr, env)
+        except Exception as exc:  # the usage record still goes, without the outcome
+            _warn(f"job {args.job_id}: stderr not scanned for a GPU OOM ({type(exc).__name__}: {exc})")
     return JobRecord(SCHEMA_VERSION, "nvml", args.cluster, args.job_id,
                      env.get("SLURMD_NODENAME") or socket.gethostname(),
                      env.get("SLURM_JOB_USER") or env.get("USER") or None,
-                     start, end, args.interval, *got)
+                     start, end, args.interval, *got, gpu_oom=oom)
 
 
 def _stop(run_dir: str, job_id: str, wait: float) -> int:

@@ -48,18 +48,20 @@ def find_gpu_oom(text: str) -> GpuOom | None:
     return found
 
 
-def scan_stderr(path: str, tail_bytes: int = TAIL_BYTES) -> GpuOom | None:
+def scan_stderr(path: str, tail_bytes: int = TAIL_BYTES, owner: int | None = None) -> GpuOom | None:
     """Read the end of a job's stderr file safely and look for a GPU OOM there.
 
     The epilog runs as root on a file the user controls: only a regular file is read (no symlink,
-    FIFO or device), without blocking, and only its last TAIL_BYTES. Anything unreadable is None."""
+    FIFO or device), without blocking, and only its last TAIL_BYTES; with ``owner``, only a file
+    that uid owns (the job's user: a path the job names cannot make root read someone else's
+    file). Anything unreadable is None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except OSError:
         return None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
+        if not stat.S_ISREG(info.st_mode) or (owner is not None and info.st_uid != owner):
             return None
         os.lseek(fd, max(0, info.st_size - tail_bytes), os.SEEK_SET)
         chunks = []

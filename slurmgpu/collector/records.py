@@ -12,7 +12,8 @@ from typing import Any, NamedTuple, get_args, get_type_hints
 
 from slurmgpu.pipeline.spool import atomic_write
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added gpu_oom; version-1 records (without it) are still read
+VERSIONS = (1, 2)
 
 
 JOB_ID = re.compile(r"\d+(?:[_+]\d+)?")  # as Slurm prints it: 123, 123_4 (array), 123+1 (hetjob)
@@ -40,8 +41,15 @@ class Collected(NamedTuple):
 
 
 
+class GpuOomRecord(NamedTuple):
+    """A GPU out-of-memory message found in the job's stderr when it ended (``collector.oom``)."""
+
+    framework: str  # pytorch, cuda, tensorflow, jax
+    line: str  # the matching line, at most 300 characters
+
+
 class JobRecord(NamedTuple):
-    """One job on one node: the spool file's content (schema version 1)."""
+    """One job on one node: the spool file's content (schema version 2; version 1 lacks gpu_oom)."""
 
     version: int
     source: str
@@ -57,6 +65,7 @@ class JobRecord(NamedTuple):
     peak_gpu_mem_mib: float
     mean_gpu_util: float
     max_gpu_util: float
+    gpu_oom: GpuOomRecord | None = None  # None: no GPU OOM message found (or stderr not readable)
 
 
 
@@ -67,7 +76,8 @@ def _iso(t: datetime) -> str:
 
 def record_to_json(record: JobRecord) -> dict[str, Any]:
     out = record._asdict()
-    out.update(start=_iso(record.start), end=_iso(record.end), gpus=[g._asdict() for g in record.gpus])
+    out.update(start=_iso(record.start), end=_iso(record.end), gpus=[g._asdict() for g in record.gpus],
+               gpu_oom=record.gpu_oom._asdict() if record.gpu_oom is not None else None)
     return out
 
 
@@ -87,6 +97,7 @@ def write_record(record: JobRecord, spool: str) -> str:
 
 _KINDS = {int: "int", float: "number", str: "string", datetime: "ISO-8601 UTC time"}
 INT_LIMIT = 2**31  # every int field lands in a 32-bit SQL column
+OOM_FRAMEWORK = re.compile(r"[a-z][a-z0-9_]{0,15}")  # the store's gpu_oom column holds 16 characters
 STR_LIMITS = {"source": 16, "cluster": 64, "job_id": 64, "hostname": 128, "user": 64}  # the store's column widths
 MAX_STR = 256  # any other string (GPU names, UUIDs)
 MAX_GPUS = 256
@@ -139,7 +150,7 @@ def _show(value: object) -> str:
 
 
 
-def _fields(cls: type[Any], obj: object, where: str) -> dict[str, Any]:
+def _fields(cls: type[Any], obj: object, where: str, absent: Any = ()) -> dict[str, Any]:
     """The fields of ``cls`` read from ``obj``, each checked against its type hint (so typed Any here:
     the values are as heterogeneous as the NamedTuple's fields, and were checked at run time)."""
     if not isinstance(obj, dict):
@@ -147,8 +158,15 @@ def _fields(cls: type[Any], obj: object, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field, kind in get_type_hints(cls).items():
         name = f"{where}.{field}" if where else field
+        if field in absent:
+            continue
         if field not in obj:
             raise ValueError(f"{name}: missing")
+        if field == "gpu_oom":
+            out[field] = None if obj[field] is None else GpuOomRecord(**_fields(GpuOomRecord, obj[field], name))
+            if out[field] is not None and not OOM_FRAMEWORK.fullmatch(out[field].framework):
+                raise ValueError(f"{name}.framework: expected a short lower-case name, got {out[field].framework!r}")
+            continue
         if field == "gpus":
             if not isinstance(obj[field], list) or not 1 <= len(obj[field]) <= MAX_GPUS:
                 raise ValueError(f"{name}: expected a non-empty list of at most {MAX_GPUS} GPUs")
@@ -187,9 +205,11 @@ def parse_record(raw: bytes, where: str) -> JobRecord:
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{where}: not JSON: {exc}") from None
     try:
-        if isinstance(data, dict) and data.get("version") != SCHEMA_VERSION:
-            raise ValueError(f"version: expected {SCHEMA_VERSION}, got {_show(data.get('version'))}")
-        record = JobRecord(**_fields(JobRecord, data, ""))
+        version = data.get("version") if isinstance(data, dict) else None
+        if isinstance(data, dict) and (type(version) is not int or version not in VERSIONS):
+            raise ValueError(f"version: expected one of {', '.join(map(str, VERSIONS))}, got {_show(version)}")
+        # Version 1 has no gpu_oom (None: nothing known); from version 2 on it must be there, object or null.
+        record = JobRecord(**_fields(JobRecord, data, "", absent=("gpu_oom",) if version == 1 else ()))
         if not JOB_ID.fullmatch(record.job_id):
             raise ValueError(f"job_id: expected a Slurm job id such as 123, 123_4 or 123+0, got {record.job_id!r}")
         if record.end < record.start:

@@ -88,6 +88,8 @@ class Job(Base):
     comment: Mapped[str | None] = mapped_column(Text)
     sacct_gpu_mem_mib: Mapped[float | None] = mapped_column(Float)  # steps' TRESUsageInMax gres/gpumem
     sacct_gpu_util: Mapped[float | None] = mapped_column(Float)  # steps' TRESUsageInMax gres/gpuutil
+    # gsbatch's decision, from the "slurmgpu:d=<id>;..." tag in the comment (links to submissions.decision_id)
+    decision_id: Mapped[str | None] = mapped_column(String(12), index=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 
 
@@ -114,6 +116,10 @@ class GpuUsage(Base):
     start_time: Mapped[datetime | None] = mapped_column(DateTime)
     end_time: Mapped[datetime | None] = mapped_column(DateTime)
     detail: Mapped[Any] = mapped_column(JSON)  # per-GPU figures as the collector wrote them
+    # A GPU out-of-memory message in the job's stderr when it ended: the framework (pytorch, cuda,
+    # tensorflow, jax) and the line; NULL when none was found or the record predates the scan.
+    gpu_oom: Mapped[str | None] = mapped_column(String(16))
+    gpu_oom_line: Mapped[str | None] = mapped_column(Text)
 
 
 class Submission(Base):
@@ -134,6 +140,7 @@ class Submission(Base):
     original_request: Mapped[Any] = mapped_column(JSON)
     decision: Mapped[Any] = mapped_column(JSON)
     changed: Mapped[bool] = mapped_column(Boolean, default=False)
+    decision_id: Mapped[str | None] = mapped_column(String(12), index=True)  # in the job's comment tag too
     model_version_id: Mapped[int | None] = mapped_column(ForeignKey("model_versions.id", ondelete="SET NULL"))
     model_version: Mapped[ModelVersion | None] = relationship()
 

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from slurmgpu.history.db import GpuUsage, IngestState, Job, Submission, utcnow
+from slurmgpu.pipeline.decision_tag import DECISION_ID, parse_tag
 from slurmgpu.pipeline.spool import RECORD_VERSION
 from slurmgpu.slurm import sacct
 
@@ -105,12 +106,29 @@ def _chunks(items: Iterable[sacct.JobRecord | sacct.RowError], size: int,
         if isinstance(item, sacct.RowError):
             report.errors.append(item)
             continue
-        chunk.append(item.values)
+        chunk.append(with_decision_id(item.values))
         if len(chunk) >= size:
             yield chunk
             chunk = []
     if chunk:
         yield chunk
+
+
+def with_decision_id(values: dict[str, Any]) -> dict[str, Any]:
+    """A job row with the decision id of gsbatch's tag in its comment (``slurmgpu:d=...``), else None.
+    Only a comment that is exactly a tag counts; a ``script:`` import or a user's text gives None."""
+    fields = parse_tag(values.get("comment"))
+    return {**values, "decision_id": fields["d"] if fields else None}
+
+
+def decision_of_job(conn: Connection, cluster: str, job_id: str) -> dict[str, Any] | None:
+    """The submission record a job's decision tag names, if its user is the job's user (a user can
+    write any comment, so a tag alone never attaches someone else's decision to a job)."""
+    sub = cast(Table, Submission.__table__)
+    row = conn.execute(select(sub.c.record_id, sub.c.decision_id, sub.c.job_id, sub.c.decision, sub.c.user)
+                       .join(JOBS, (JOBS.c.decision_id == sub.c.decision_id) & (JOBS.c.user == sub.c.user))
+                       .where(JOBS.c.cluster == cluster, JOBS.c.job_id == job_id, sub.c.cluster == cluster)).first()
+    return dict(row._mapping) if row else None
 
 
 def load_jobs(engine: Engine, items: Iterable[sacct.JobRecord | sacct.RowError], report: Report | None = None,
@@ -404,7 +422,14 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         "original_request": _field(data, "original_request", (dict,), nullable=True),
         "decision": _field(data, "decision", (dict,), nullable=True),
         "changed": _field(data, "changed", (bool,)),
+        "decision_id": _decision_id(data.get("decision")),
     }
+
+
+def _decision_id(decision: Any) -> str | None:
+    """gsbatch's decision id (``decision.id``, 12 hex digits), which its comment tag carries too."""
+    value = decision.get("id") if isinstance(decision, dict) else None
+    return value if isinstance(value, str) and DECISION_ID.fullmatch(value) else None
 
 
 def read_submission(path: str) -> dict[str, Any]:
@@ -480,7 +505,7 @@ def _linked(f: SpoolFile, cluster: str, job_id: str | None, users: dict[tuple[st
 
 
 _SUBMISSION_COLUMNS = ("record_id", "cluster", "job_id", "user", "submitted_at", "script_sha256", "sbatch_exit",
-                       "features", "original_request", "decision", "changed")
+                       "features", "original_request", "decision", "changed", "decision_id")
 
 
 def _stored_submissions(conn: Connection, ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -660,6 +685,8 @@ def _gpu_row(f: SpoolFile) -> dict[str, Any]:
         "mean_util": rec.mean_gpu_util, "max_util": rec.max_gpu_util, "samples": rec.samples,
         "start_time": rec.start.replace(tzinfo=None), "end_time": rec.end.replace(tzinfo=None),
         "detail": [g._asdict() for g in rec.gpus],
+        "gpu_oom": rec.gpu_oom.framework if rec.gpu_oom else None,
+        "gpu_oom_line": rec.gpu_oom.line if rec.gpu_oom else None,
     }
 
 

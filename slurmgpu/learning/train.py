@@ -40,6 +40,9 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
         peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
             select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
             .group_by(GpuUsage.cluster, GpuUsage.job_id))}
+        ooms = {(c, j): f for c, j, f in conn.execute(  # the collector found a GPU OOM in the job's stderr
+            select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.gpu_oom))
+            .where(GpuUsage.gpu_oom.is_not(None)).group_by(GpuUsage.cluster, GpuUsage.job_id))}
         records = {(c, j): (f, r) for c, j, f, r in conn.execute(
             select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request))}
         for r in conn.execute(stmt).mappings():
@@ -52,16 +55,24 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
                 continue
             measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
             peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
+            raw = r["job_id_raw"]
+            oom = ooms.get((r["cluster"], r["job_id"])) or (ooms.get((r["cluster"], str(raw))) if raw else None)
             out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
                         "gpu_type": r["gpu_type"], "gpus": r["gpu_count"], "elapsed": r["elapsed_s"],
-                        "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {}})
+                        "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {},
+                        "gpu_oom": oom})
     return out
 
 
 def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
-    """Out of GPU memory: Slurm's OUT_OF_MEMORY is about host memory; a GPU OOM is a failed job
-    whose measured peak reached the card (PyTorch raises and the job exits 1)."""
-    if row["state"] == "OUT_OF_MEMORY":
+    """Out of GPU memory: Slurm's OUT_OF_MEMORY is about host memory; a GPU OOM is a job whose
+    stderr ended with a framework's GPU OOM message (``gpu_oom``, recorded by the collector), or a
+    failed job whose measured peak reached the card (PyTorch raises and the job exits 1).
+
+    A recorded message counts whatever sacct's state (FAILED, or TIMEOUT when the other ranks of a
+    distributed job hung after one ran out), except COMPLETED: a job that finished held on the card,
+    having caught the error (automatic batch-size search, a retry at a smaller size)."""
+    if row["state"] == "OUT_OF_MEMORY" or (row.get("gpu_oom") and row["state"] != "COMPLETED"):
         return True
     card = _gpu(config, row["gpu_type"])["memory_gib"] * 1024
     return row["state"] == "FAILED" and bool(row["peak"]) and card > 0 and row["peak"] >= 0.95 * card

@@ -24,6 +24,7 @@ class Plan(NamedTuple):
     decision: Decision
     submission: Submission
     stdin: bytes | None = None
+    tag: str | None = None  # the decision tag for the job's comment; None when the user wrote a comment
 
     def to_json(self) -> dict[str, Any]:
         """Everything gsbatch needs to report, submit and record the plan."""
@@ -31,7 +32,7 @@ class Plan(NamedTuple):
         return {"decision": self.decision.to_json(),
                 "submission": {"script_text": sub.script_text, "cli_words": list(sub.cli_words),
                                "env_overrides": dict(sub.env_overrides), "changed": sub.changed},
-                "record": record_fields(self), "notes": notes(self)}
+                "record": record_fields(self), "notes": notes(self), "tag": self.tag}
 
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
@@ -49,7 +50,19 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
         decision = decide_gpu_mem(decider, request, ask)
     else:
         decision = decider.decide(request)
-    return Plan(request, decision, apply(request, decision))
+    return Plan(request, decision, apply(request, decision), tag=_tag(request, decision, script, options))
+
+
+def _tag(request: JobRequest, decision: Decision, script: BatchScript | None, options: Sequence[str]) -> str | None:
+    """The decision tag (``pipeline.decision_tag``) for the model's decisions, unless the job has a comment."""
+    from slurmgpu.pipeline.decision_tag import decision_tag, new_decision_id
+    from slurmgpu.pipeline.sbatch_options import split_options
+
+    if decision.decider != "model" or any(d.name == "comment" for d in (script.directives if script else ())) \
+            or any(o.name == "comment" for o in split_options(list(options))[0]):
+        return None
+    main = request.main
+    return decision_tag(decision.to_json(), new_decision_id(), main.gpu_type, main.gpus_total)
 
 
 def gpu_mem_ask(script: BatchScript | None, cli: str | None) -> GpuMemAsk | None:
@@ -93,4 +106,11 @@ def record_fields(plan: Plan) -> dict[str, Any]:
     return {"script_sha256": hexdigest("sha256", script.data) if script else None,
             "script_features": features,
             "original_request": plan.request.to_json() if plan.request else None,
-            "decision": plan.decision.to_json(), "changed": plan.submission.changed}
+            "decision": {**plan.decision.to_json(), **_tag_id(plan.tag)}, "changed": plan.submission.changed}
+
+
+def _tag_id(tag: str | None) -> dict[str, str]:
+    from slurmgpu.pipeline.decision_tag import parse_tag
+
+    fields = parse_tag(tag)
+    return {"id": fields["d"]} if fields else {}

@@ -1,0 +1,73 @@
+"""The decision tag: a short record of gsbatch's decision that travels with the job in its comment.
+
+``slurmgpu:d=<decision id>;m=<decider>;p=<predicted peak GiB per GPU>;t=<predicted minutes>`` (p and t
+only when the model predicted them; ``r=1`` once ``slurmgpu retry`` has requeued the job). With
+``AccountingStoreFlags=job_comment`` sacct keeps it as the job's Comment, so the ingest links each
+job to the submission record of the decision that placed it. Never set over a user's own comment.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+PREFIX = "slurmgpu:"
+TAG = re.compile(r"slurmgpu:d=(?P<d>[0-9a-f]{12})(?:;m=(?P<m>[a-z][a-z0-9.-]{0,23}))?(?:;p=(?P<p>\d{1,5}(?:\.\d)?))?"
+                 r"(?:;t=(?P<t>\d{1,7}))?(?:;r=(?P<r>\d))?")
+DECISION_ID = re.compile(r"[0-9a-f]{12}")
+
+
+def new_decision_id() -> str:
+    return secrets.token_hex(6)
+
+
+def make_tag(decision_id: str, decider: str, peak_gib: float | None = None, minutes: float | None = None) -> str:
+    """The tag for a decision: short, parseable, no spaces (a Slurm comment is one line)."""
+    text = f"{PREFIX}d={decision_id};m={decider}"
+    if peak_gib is not None and 0 <= peak_gib < 100000:
+        text += f";p={peak_gib:.1f}"
+    if minutes is not None and 0 <= minutes < 10**7:
+        text += f";t={max(1, round(minutes))}"
+    return text
+
+
+def parse_tag(comment: str | None) -> dict[str, str] | None:
+    """The tag's fields (d, m, p, t, r) when ``comment`` is exactly a tag, else None."""
+    match = TAG.fullmatch(comment or "")
+    return {k: v for k, v in match.groupdict().items() if v is not None} if match else None
+
+
+def with_retry_mark(tag: str) -> str:
+    """The tag of a job requeued once after a GPU OOM (``r=1``)."""
+    fields = parse_tag(tag)
+    return tag if fields is None or "r" in fields else f"{tag};r=1"
+
+
+def decision_tag(decision: Mapping[str, Any], decision_id: str, asked_type: str | None = None,
+                 asked_gpus: int | None = None) -> str:
+    """The tag for a decision in JSON form (``Decision.to_json``): the predicted peak and runtime of
+    the type and count chosen (or kept: ``asked_*``), when the model weighed them."""
+    decider = str(decision.get("decider") or "keep")
+    decider = decider if re.fullmatch(r"[a-z][a-z0-9.-]{0,23}", decider) else "other"
+    changes = decision.get("changes") or []
+    chosen = changes[0] if changes and isinstance(changes[0], Mapping) else {}
+    want_type = chosen.get("gpu_type") or asked_type
+    want_gpus = chosen.get("gpus_total") or asked_gpus
+    pick = next((c for c in decision.get("per_type") or [] if isinstance(c, Mapping)
+                 and c.get("gpu_type") == want_type and c.get("gpus") == want_gpus), None)
+    peak = pick.get("pred_peak_mem_mib") if pick else None
+    runtime = pick.get("pred_runtime_s") if pick else None
+    return make_tag(decision_id, decider, peak / 1024 if isinstance(peak, int | float) else None,
+                    runtime / 60 if isinstance(runtime, int | float) else None)
+
+
+def tagged_words(words: list[str], tag: object, operands: int) -> list[str]:
+    """sbatch's words with ``--comment=<tag>`` after the options (before the last ``operands`` words:
+    the script and its arguments); unchanged when ``tag`` is not a well-formed tag (a daemon's plan
+    is not believed blindly)."""
+    if not isinstance(tag, str) or parse_tag(tag) is None or any(w.startswith("--comment") for w in words):
+        return words
+    cut = len(words) - operands
+    return [*words[:cut], f"--comment={tag}", *words[cut:]]

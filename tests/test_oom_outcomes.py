@@ -1,0 +1,186 @@
+"""GPU-OOM outcomes (collector -> record v2 -> store -> learner) and decision tags (plan -> comment ->
+ingest link): unit level here, live on the local Slurm in the tests marked ``slurm``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from slurmgpu.collector import monitor, records
+from slurmgpu.collector.records import read_record
+from slurmgpu.history import db, ingest
+from slurmgpu.learning import train
+from slurmgpu.pipeline import spool
+from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.decision_tag import decision_tag, make_tag, parse_tag, tagged_words, with_retry_mark
+from slurmgpu.slurm.sacct import JobRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "tests" / "fixtures" / "nvml_trace_2xa100.json"
+TORCH = ROOT / "tests" / "fixtures" / "oom" / "gpu-torch-2.2.txt"
+BIN = Path(sys.executable).parent
+
+
+def torch_oom_text() -> str:
+    return "".join(ln for ln in TORCH.read_text().splitlines(keepends=True) if not ln.startswith("# source:"))
+
+
+def run_collector(spool_dir: Path, job_id: str, *extra: str) -> records.JobRecord:
+    assert monitor.main(["run", "--job-id", job_id, "--cluster", "c1", "--spool", str(spool_dir),
+                         "--recorded", str(TRACE), "--interval", "0.001", "--duration", "5", *extra]) == 0
+    [name] = [n for n in os.listdir(spool_dir) if n.startswith(f"c1_{job_id}_")]
+    return read_record(str(spool_dir / name))
+
+
+# ---- the record -------------------------------------------------------------------------------
+
+def test_collector_records_the_oom_found_in_the_named_stderr(tmp_path: Path) -> None:
+    err = tmp_path / "job.err"
+    err.write_text("epoch 1\n" + torch_oom_text())
+    (tmp_path / "spool").mkdir()
+    rec = run_collector(tmp_path / "spool", "77", "--stderr", str(err))
+    assert rec.version == 2 and rec.gpu_oom is not None and rec.gpu_oom.framework == "pytorch"
+    assert rec.gpu_oom.line.startswith("torch.cuda.OutOfMemoryError: CUDA out of memory.")
+    assert len(rec.gpu_oom.line) <= records.MAX_STR
+
+
+def test_no_oom_clean_stderr_missing_stderr_or_scan_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = tmp_path / "job.err"
+    err.write_text("Traceback ...\nValueError: bad input\n")
+    for n, extra in enumerate((["--stderr", str(err)], ["--stderr", str(tmp_path / "missing")], ["--no-oom-scan"])):
+        (tmp_path / f"s{n}").mkdir()
+        assert run_collector(tmp_path / f"s{n}", "78", *extra).gpu_oom is None
+    assert capsys.readouterr().err == ""
+
+
+def test_looked_up_stderr_is_read_only_when_the_jobs_user_owns_it(tmp_path: Path) -> None:
+    err = tmp_path / "job.err"
+    err.write_text(torch_oom_text())
+    me = os.getuid()
+    found = monitor.gpu_oom_outcome("5", None, {"SLURM_JOB_UID": str(me)}, lookup=lambda j: str(err))
+    assert found is not None and found.framework == "pytorch"
+    # a job of another user naming this file (e.g. --error pointing at it) gets nothing from it
+    assert monitor.gpu_oom_outcome("5", None, {"SLURM_JOB_UID": str(me + 1)}, lookup=lambda j: str(err)) is None
+    assert monitor.gpu_oom_outcome("5", None, {"SLURM_JOB_UID": str(me)}, lookup=lambda j: None) is None
+
+
+def test_stderr_path_parsed_from_scontrol_with_spaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    line = ("JobId=5 JobName=x UserId=u(1) Comment=(null) WorkDir=/w StdErr=/home/a b/x.err StdIn=/dev/null "
+            "StdOut=/home/a b/x.out Power=\n")
+    monkeypatch.setattr(monitor.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=line, stderr=""))
+    assert monitor.job_stderr("5") == "/home/a b/x.err"
+    monkeypatch.setattr(monitor.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 1, stdout="", stderr="Invalid job id"))
+    assert monitor.job_stderr("5") is None
+
+
+def test_version_1_records_still_load_and_version_2_needs_the_field(tmp_path: Path) -> None:
+    (tmp_path / "s").mkdir()
+    rec = run_collector(tmp_path / "s", "79", "--no-oom-scan")
+    data = records.record_to_json(rec)
+    v1 = {k: v for k, v in data.items() if k != "gpu_oom"} | {"version": 1}
+    assert records.parse_record(json.dumps(v1).encode(), "w").gpu_oom is None
+    with pytest.raises(ValueError, match="^w: gpu_oom: missing"):
+        records.parse_record(json.dumps({k: v for k, v in data.items() if k != "gpu_oom"}).encode(), "w")
+    for bad, msg in (({"framework": "pytorch"}, "gpu_oom.line: missing"),
+                     ({"framework": "Py Torch", "line": "x"}, "gpu_oom.framework: expected a short lower-case"),
+                     ({"framework": "cuda", "line": "x" * 300}, "gpu_oom.line: expected string of at most 256"),
+                     ("pytorch", "gpu_oom: expected an object")):
+        with pytest.raises(ValueError, match=f"^w: {msg}"):
+            records.parse_record(json.dumps({**data, "gpu_oom": bad}).encode(), "w")
+
+
+# ---- the store and the learner ----------------------------------------------------------------
+
+def sacct_job(job_id: str, state: str, comment: str | None = None, user: str = "alice") -> JobRecord:
+    values = dict.fromkeys(ingest.JOB_COLUMNS)
+    values.update(cluster="c1", job_id=job_id, job_id_raw=int(job_id), state=state, gpu_count=1, gpu_type="t4",
+                  user=user, submit_time=datetime(2026, 12, 1, 10), elapsed_s=40, comment=comment)
+    values.pop("decision_id")  # sacct's rows do not have it: the ingest reads it from the comment
+    return JobRecord(values, 1)
+
+
+def test_ingest_stores_the_outcome_and_gpu_oom_marks_it_whatever_the_state(db_url: str, tmp_path: Path) -> None:
+    engine = db.make_engine(db_url)
+    spool_dir = tmp_path / "gpu"
+    spool_dir.mkdir()
+    err = tmp_path / "job.err"
+    err.write_text(torch_oom_text())
+    for job_id in ("1", "2", "3", "4"):
+        run_collector(spool_dir, job_id, *(["--stderr", str(err)] if job_id != "4" else ["--no-oom-scan"]))
+    ingest.load_jobs(engine, [sacct_job("1", "FAILED", "script:python train.py --model resnet50 --batch-size 64"),
+                              sacct_job("2", "TIMEOUT", "script:python train.py --model resnet50 --batch-size 64"),
+                              sacct_job("3", "COMPLETED", "script:python train.py --model resnet50 --batch-size 64"),
+                              sacct_job("4", "FAILED", "script:python train.py --model resnet50 --batch-size 64")])
+    report = ingest.load_gpu_records(engine, str(spool_dir))
+    assert report.files_loaded == 4 and not report.files_rejected
+    with engine.connect() as conn:
+        stored = dict(conn.execute(select(db.GpuUsage.job_id, db.GpuUsage.gpu_oom)).all())
+        line = conn.execute(select(db.GpuUsage.gpu_oom_line).where(db.GpuUsage.job_id == "1")).scalar()
+    assert stored == {"1": "pytorch", "2": "pytorch", "3": "pytorch", "4": None}
+    assert line.startswith("torch.cuda.OutOfMemoryError")
+    config = load_config(str(ROOT / "contrib" / "slurmgpu.toml"))
+    rows = {r["job_id"]: r for r in train.history_rows(engine)}
+    # the trace's peak (61952 MiB) is far above a T4's 16 GiB... so make the peak say nothing: only the message
+    marked = {j: train.gpu_oom({**r, "peak": None}, config) for j, r in rows.items()}
+    assert marked == {"1": True, "2": True, "3": False, "4": False}
+
+
+# ---- decision tags ----------------------------------------------------------------------------
+
+def test_tag_format_round_trip_and_retry_mark() -> None:
+    tag = make_tag("0123456789ab", "model", 13.26, 41.6)
+    assert tag == "slurmgpu:d=0123456789ab;m=model;p=13.3;t=42" and " " not in tag
+    assert parse_tag(tag) == {"d": "0123456789ab", "m": "model", "p": "13.3", "t": "42"}
+    assert parse_tag(with_retry_mark(tag)) == {"d": "0123456789ab", "m": "model", "p": "13.3", "t": "42", "r": "1"}
+    assert with_retry_mark(with_retry_mark(tag)) == with_retry_mark(tag)
+    for other in (None, "", "script:python x.py", "my own words", tag + " and more", "slurmgpu:d=XYZ"):
+        assert parse_tag(other) is None
+    decision = {"decider": "model", "changes": [{"index": 0, "gpu_type": "t4", "gpus_total": 1}],
+                "per_type": [{"gpu_type": "a100", "gpus": 1, "pred_peak_mem_mib": 9000.0, "pred_runtime_s": 600.0},
+                             {"gpu_type": "t4", "gpus": 1, "pred_peak_mem_mib": 9216.0, "pred_runtime_s": 1800.0}]}
+    assert decision_tag(decision, "0123456789ab", "a100", 1) == "slurmgpu:d=0123456789ab;m=model;p=9.0;t=30"
+    kept = {**decision, "changes": []}
+    assert decision_tag(kept, "0123456789ab", "a100", 1) == "slurmgpu:d=0123456789ab;m=model;p=8.8;t=10"
+
+
+def test_tagged_words_go_after_the_options_and_never_over_a_comment() -> None:
+    tag = make_tag("0123456789ab", "model")
+    assert tagged_words(["--parsable", "job.sh", "arg1"], tag, 2) == ["--parsable", f"--comment={tag}", "job.sh",
+                                                                      "arg1"]
+    assert tagged_words(["--wrap", "hostname"], tag, 0) == ["--wrap", "hostname", f"--comment={tag}"]
+    assert tagged_words(["--comment=mine", "job.sh"], tag, 1) == ["--comment=mine", "job.sh"]
+    assert tagged_words(["job.sh"], "slurmgpu:d=1;rm -rf", 1) == ["job.sh"]  # a malformed tag is not sent
+    assert tagged_words(["job.sh"], None, 1) == ["job.sh"]
+
+
+def test_ingest_links_a_job_to_its_decision_only_for_the_same_user(db_url: str, tmp_path: Path) -> None:
+    engine = db.make_engine(db_url)
+    me = pwd.getpwuid(os.getuid()).pw_name
+    spool_dir = tmp_path / "sub"
+    spool_dir.mkdir()
+    tag = make_tag("00000000abcd", "model", 3.0, 5)
+    spool.write_record(str(spool_dir), spool.new_record(
+        cluster="c1", job_id="10", script_sha256=None, sbatch_exit=0, features={}, original_request={},
+        decision={"decider": "model", "changed": False, "id": "00000000abcd"}, changed=False))
+    ingest.load_jobs(engine, [sacct_job("10", "COMPLETED", tag, user=me),
+                              sacct_job("11", "COMPLETED", tag, user="mallory"),  # copied someone's tag
+                              sacct_job("12", "COMPLETED", "script:python x.py", user=me)])
+    assert ingest.load_submissions(engine, str(spool_dir)).files_loaded == 1
+    with engine.connect() as conn:
+        ids = dict(conn.execute(select(db.Job.job_id, db.Job.decision_id)).all())
+        assert ids == {"10": "00000000abcd", "11": "00000000abcd", "12": None}
+        linked = ingest.decision_of_job(conn, "c1", "10")
+        assert linked is not None and linked["decision_id"] == "00000000abcd" and linked["job_id"] == "10"
+        assert ingest.decision_of_job(conn, "c1", "11") is None
+        assert ingest.decision_of_job(conn, "c1", "12") is None
+        assert conn.execute(select(db.Job.comment).where(db.Job.job_id == "12")).scalar() == "script:python x.py"
