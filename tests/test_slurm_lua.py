@@ -115,6 +115,7 @@ DRIVER = r"""
 slurm = { SUCCESS = 0 }
 function slurm.log_info(fmt, ...) io.stderr:write("info: ", string.format(fmt, ...), "\n") end
 function slurm.log_error(fmt, ...) io.stderr:write("error: ", string.format(fmt, ...), "\n") end
+function slurm.log_user(fmt, ...) io.stderr:write("user: ", string.format(fmt, ...), "\n") end
 assert(dofile(arg[1]) == slurm.SUCCESS)
 local have_socket, socket = pcall(require, "socket")
 local clock = have_socket and socket.gettime or os.clock
@@ -339,6 +340,58 @@ def test_without_lua_socket_every_job_passes(lua: Path, sock: str, tmp_path: Pat
         assert requests(sock) == 0
     assert out[0].rc == 0 and out[0].fields["partition"] == "gpu-small"
     assert "lua-socket (socket.unix) not available" in log
+
+
+# --- advise mode and waivers, rendered from the admin config ----------------------------------------
+
+
+def mode_config(tmp_path: Path, extra: str, policy: str = "") -> Path:
+    p = tmp_path / "modes.toml"
+    p.write_text(SAMPLE.read_text().replace("[policy]\n", f"[policy]\n{policy}\n", 1) + "\n" + extra)
+    return p
+
+
+def test_advise_mode_logs_and_tells_the_user_and_changes_nothing(lua: Path, sock: str, tmp_path: Path) -> None:
+    config = mode_config(tmp_path, "", 'mode = "advise"')
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, config=config)
+    with daemon(sock, serve.Service(load_config(config))):
+        out, log = run_hook(lua, hook, [MOVED])
+    assert out[0].fields == {k: MOVED.get(k) for k in TRES}
+    assert "info: slurmgpu: advised (default): job train.sh of ann would change: partition gpu-small -> gpu (GPU " \
+           "type v100 is not in partition gpu-small; moved to gpu, which has it); submitted as written" in log
+    assert "user: slurmgpu advice: partition gpu-small -> gpu (GPU type v100" in log and "error" not in log
+
+
+def test_the_hook_keeps_its_rendered_mode_whatever_the_daemon_or_the_job_says(lua: Path, sock: str,
+                                                                             tmp_path: Path) -> None:
+    """Rendered with advise for gpu-small while the daemon serves a rewrite config: nothing is applied;
+    a mode or user name in the job (its environment, user_name) changes nothing; users match by uid."""
+    config = mode_config(tmp_path, '[policy.modes]\npartitions = {gpu-small = "advise"}\nusers = {root = "rewrite"}\n')
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, config=config)
+    jobs = [MOVED, {**MOVED, "user_name": "root", "environment": {"SLURMGPU_MODE": "rewrite"}, "mode": "rewrite"},
+            {**MOVED, "user_id": 0}]
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        out, log = run_hook(lua, hook, jobs)
+    assert [o.fields["partition"] for o in out] == ["gpu-small", "gpu-small", "gpu"]
+    assert log.count("advised (partition gpu-small)") == 2
+
+
+def test_a_rendered_waiver_keeps_the_request_until_it_expires(lua: Path, sock: str, tmp_path: Path) -> None:
+    from slurmgpu.pipeline.features import script_features
+
+    family = script_features(MOVED["script"])["family"]
+
+    def waiver(expires: str) -> str:
+        return (f'[[waivers]]\nuser = "root"\nfamily = "{family}"\nreason = "a \\"quoted\\" benchmark"\n'
+                f'owner = "hpc-admin"\nexpires = {expires}\n')
+
+    for expires, kept in (("2999-12-31", True), ("2000-01-01", False)):
+        hook = render_hook(tmp_path / "hook.lua", "--socket", sock, config=mode_config(tmp_path, waiver(expires)))
+        with daemon(sock, serve.Service(load_config(SAMPLE))):  # the daemon knows no waiver: the hook does
+            out, log = run_hook(lua, hook, [{**MOVED, "user_id": 0}, MOVED])
+        assert [o.fields["partition"] for o in out] == ["gpu-small" if kept else "gpu", "gpu"]
+        assert ('kept as submitted: waiver: a "quoted" benchmark (granted by hpc-admin, until 2999-12-31) '
+                "(would change: partition gpu-small -> gpu)" in log) == kept
 
 
 # --- the hook inside slurmctld ---------------------------------------------------------------------

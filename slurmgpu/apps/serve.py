@@ -416,8 +416,6 @@ class Service:
         """A decide reply under the mode and waivers: a waiver keeps the request (its reason in
         ``reasons``); advise mode moves ``apply`` to ``advice``, so a hook of any version applies
         nothing. ``mode`` and ``family`` tell the hook what the daemon resolved."""
-        if self.config.modes.trivial and not self.config.waivers:
-            return {**out, "mode": "rewrite", "advice": {}}
         res, family = self.resolution(who, job.get("account"), job.get("partition"),
                                       request.script.text if request.script else None)
         apply = out["apply"]

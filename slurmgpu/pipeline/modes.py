@@ -158,7 +158,7 @@ def _with(plan: Mapping[str, Any], decision: dict[str, Any], submission: Mapping
     out = dict(plan, decision=decision, submission=dict(submission))
     record = plan.get("record")
     if isinstance(record, dict):
-        kept = record.get("decision") if isinstance(record.get("decision"), dict) else {}
+        kept: dict[str, Any] = record["decision"] if isinstance(record.get("decision"), dict) else {}
         out["record"] = dict(record, decision={**kept, **decision}, changed=bool(submission.get("changed")))
     return out
 
