@@ -258,3 +258,68 @@ def test_a_bf16_job_is_never_moved_to_a_card_without_bf16(trained, config) -> No
         assert {c.gpu_type for c in d.per_type} <= {"a100"} and not any(ch.gpu_type for ch in d.changes), d.reasons
     d = decide(trained[0], config, script_for("resnet", 8, 1000, "a100"), free={"a100": 0, "v100": 4, "t4": 4})
     assert "v100" in {c.gpu_type for c in d.per_type}  # fp16 runs on a V100
+
+
+def _v100(d) -> object:
+    return next(c for c in d.per_type if (c.gpu_type, c.gpus) == ("v100", 1))
+
+
+def test_a_request_that_does_not_fit_says_the_largest_batch_that_would_and_what_holds_it(trained, config) -> None:
+    """Issue 15 item 2: the hint's batch fits the requested card when the decider is asked again,
+    one more does not, and every figure in the reason is the one the decider used."""
+    import re
+
+    bundle = trained[0]
+    d = decide(bundle, config, script_for("llama", 24, 1000, "v100"))
+    reason = d.reasons[-1]
+    assert not _v100(d).fits and d.changes[0].gpu_type == "a100"
+    m = re.search(r"; hint: batch size (\d+) would fit 1 x v100 \(predicted peak ([\d.]+) GiB of 32 GiB\); "
+                  r"smallest request that holds it: 1 x a100 \(80 GiB, predicted peak ([\d.]+) GiB\)$", reason)
+    assert m, reason
+    batch = int(m.group(1))
+    assert 1 <= batch < 24
+    at = decide(bundle, config, script_for("llama", batch, 1000, "v100"))
+    assert _v100(at).fits and f"{_v100(at).pred_peak_mem_mib / 1024:.1f}" == m.group(2)
+    assert not _v100(decide(bundle, config, script_for("llama", batch + 1, 1000, "v100"))).fits
+    a100 = next(c for c in d.per_type if (c.gpu_type, c.gpus) == ("a100", 1))
+    assert f"{a100.pred_peak_mem_mib / 1024:.1f}" == m.group(3)
+    # A card nothing fits on at any batch gets no batch hint at all.
+    small = script_for("llama", 8, 1000, "t4").replace("#SBATCH -t", "#SBATCH -p gpu-small\n#SBATCH -t")
+    t4 = decide(bundle, config, small)
+    assert "hint" not in t4.reasons[-1]
+
+
+def test_a_peak_close_to_the_card_is_called_borderline(trained, config) -> None:
+    import re
+
+    bundle = trained[0]
+    found = 0
+    for batch in (4, 8, 10, 11):
+        d = decide(bundle, config, script_for("llama", batch, 1000, "v100"))
+        v = _v100(d)
+        with_margin = v.pred_peak_mem_mib * (1 + config.policy.memory_margin) / 1024
+        m = re.search(r"borderline: predicted peak ([\d.]+) GiB \(with the 10% margin\) of 32 GiB on v100",
+                      d.reasons[-1])
+        assert bool(m) == (v.fits and with_margin >= 0.85 * 32), (batch, d.reasons)
+        if m:
+            found += 1
+            assert m.group(1) == f"{with_margin:.1f}"
+    assert found
+
+
+def test_gpu_mem_with_the_model_shows_the_predicted_peak_next_to_the_ask(trained, config) -> None:
+    from slurmgpu.pipeline.policy import GpuMemAsk, decide_gpu_mem
+
+    bundle = trained[0]
+    text = script_for("resnet", 16, 1000, "a100").replace("--gres=gpu:a100:1", "--gres=gpu:1")
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
+    decider = ModelDecider(config, bundle, lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann")
+    d = decide_gpu_mem(decider, request, GpuMemAsk(24.0, "24G", "command line"))
+    assert d.changes[0].gpu_type == "v100" and d.decider == "model"
+    peak = decider.predicted_peak_mib(request, "v100", 1)
+    assert peak is not None
+    assert d.reasons == (f"--gpu-mem 24 GiB: v100 (32 GiB) chosen (balanced: the smallest card that holds it); "
+                         f"asked for >= 24 GiB per GPU; predicted peak {peak / 1024:.1f} GiB",)
+    unknown = build_request(parse_script(b"#!/bin/bash\n#SBATCH --gres=gpu:1\npython new.py\n", "j.sh"), [], {},
+                            config.gpu_features())
+    assert "predicted" not in decide_gpu_mem(decider, unknown, GpuMemAsk(24.0, "24G", "command line")).reasons[0]

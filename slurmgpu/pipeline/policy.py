@@ -380,7 +380,7 @@ class ModelDecider:
                     break
         if holds:
             hints.append("smallest request that holds it: " + " or ".join(holds))
-        return "".join(f"; hint: {h}" for h in hints)
+        return "; hint: " + "; ".join(hints) if hints else ""
 
     def predicted_peak_mib(self, request: JobRequest, gpu_type: str, gpus: int) -> float | None:
         """The per-GPU peak the model predicts for this job on ``gpus`` x ``gpu_type`` (MiB, doubted
