@@ -8,7 +8,8 @@ import os
 import pwd
 import subprocess
 import sys
-from datetime import datetime
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,117 @@ def test_ingest_links_a_job_to_its_decision_only_for_the_same_user(db_url: str, 
         assert ingest.decision_of_job(conn, "c1", "11") is None
         assert ingest.decision_of_job(conn, "c1", "12") is None
         assert conn.execute(select(db.Job.comment).where(db.Job.job_id == "12")).scalar() == "script:python x.py"
+
+
+# ---- live, on the local Slurm -----------------------------------------------------------------
+
+def _wait_final(job_id: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True,
+                             text=True, check=False).stdout.split()
+        if out and out[0] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY"):
+            return out[0]
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def _ingest(url: str, since: datetime, **spools: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **spools}
+    return subprocess.run([str(BIN / "slurmgpu"), "--db", url, "ingest", "--cluster", "slurmgpu", "--since",
+                           since.astimezone().strftime("%Y-%m-%dT%H:%M:%S")], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+
+
+@pytest.mark.slurm
+def test_live_oom_job_is_recorded_stored_and_marked(tmp_path: Path) -> None:
+    """A real job prints PyTorch's OOM to stderr and exits 1; the collector runs as the Prolog starts
+    it and stops as the Epilog does (after the job ended, while slurmctld still knows it)."""
+    started = datetime.now(UTC) - timedelta(seconds=5)
+    (tmp_path / "oom.txt").write_text(torch_oom_text())
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/sh\necho 'epoch 1 loss 0.9'\ncat {tmp_path / 'oom.txt'} >&2\nexit 1\n")
+    name = f"sgpu-oomA-{os.getpid()}"
+    spool_dir, run_dir = tmp_path / "gpu", tmp_path / "run"
+    spool_dir.mkdir()
+    run_dir.mkdir()
+    job_id = subprocess.run(["sbatch", "--parsable", "--hold", "-J", name, "--gres=gpu:t4:1", "-p", "gpu-small",
+                             "-o", str(tmp_path / "out-%j.txt"), "-e", str(tmp_path / "err-%j.txt"),
+                             "--comment=script:python train.py --model resnet50 --batch-size 64", str(script)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    env = {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_JOB_UID": str(os.getuid()), "SLURM_CLUSTER_NAME": "slurmgpu",
+           "SLURM_JOB_GPUS": "0", "SLURMD_NODENAME": "gpu2"}
+    collector = subprocess.Popen([str(BIN / "slurmgpu-monitor"), "run", "--spool", str(spool_dir), "--run-dir",
+                                  str(run_dir), "--recorded", str(TRACE), "--interval", "5"], env=env)  # the trace lasts 30 s
+    try:
+        deadline = time.monotonic() + 10
+        while not (run_dir / f"{job_id}.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run(["scontrol", "release", job_id], check=True)
+        assert _wait_final(job_id) == "FAILED"
+        stop = subprocess.run([str(BIN / "slurmgpu-monitor"), "stop", "--run-dir", str(run_dir), "--job-id", job_id],
+                              env=env, capture_output=True, text=True, timeout=30, check=False)
+        assert stop.returncode == 0 and stop.stderr == ""
+        assert collector.wait(timeout=10) == 0
+    finally:
+        if collector.poll() is None:
+            collector.kill()
+        subprocess.run(["scancel", "-n", name], check=False)
+    rec = read_record(str(spool_dir / f"slurmgpu_{job_id}_gpu2.json"))
+    assert rec.gpu_oom is not None and rec.gpu_oom.framework == "pytorch"
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    time.sleep(2)  # sacct lags the job's end a little
+    res = _ingest(url, started, SLURMGPU_GPU_SPOOL=str(spool_dir), SLURMGPU_SUBMISSION_SPOOL=str(tmp_path / "none"))
+    assert res.returncode == 0 and "1 spool records loaded" in res.stdout, res.stdout + res.stderr
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        stored = conn.execute(select(db.GpuUsage.gpu_oom, db.GpuUsage.gpu_oom_line)
+                              .where(db.GpuUsage.job_id == job_id)).one()
+    assert stored[0] == "pytorch" and stored[1].startswith("torch.cuda.OutOfMemoryError: CUDA out of memory.")
+    [row] = [r for r in train.history_rows(engine) if r["job_id"] == job_id]
+    assert row["state"] == "FAILED" and row["gpu_oom"] == "pytorch"
+    config = load_config(str(ROOT / "contrib" / "slurmgpu.toml"))
+    assert train.gpu_oom({**row, "peak": None}, config)  # the message alone marks it, without a peak
+
+
+@pytest.mark.slurm
+def test_live_gsbatch_job_carries_its_decision_tag_into_sacct_and_the_store(tmp_path: Path, capfd) -> None:
+    from slurmgpu.apps import gsbatch
+    from slurmgpu.pipeline.policy import Candidate, Decision
+    from slurmgpu.slurm.backend import CliBackend
+
+    class Model:  # a decision as the model decider makes them, without training one here
+        name = "model"
+
+        def decide(self, request) -> Decision:  # type: ignore[no-untyped-def]
+            return Decision((), ("model: kept",), decider="model",
+                            per_type=(Candidate("t4", 1, True, 5120.0, 90.0, 0.0),))
+
+    started = datetime.now(UTC) - timedelta(seconds=5)
+    name = f"sgpu-tagB-{os.getpid()}"
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/sh\n#SBATCH -J {name}\n#SBATCH --gres=gpu:t4:1\n#SBATCH -p gpu-small\n"
+                      f"#SBATCH -o {tmp_path}/out-%j.txt\nsleep 1\n")
+    spool_dir = tmp_path / "subs"
+    spool_dir.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "SLURMGPU_SUBMISSION_SPOOL": str(spool_dir)}
+    try:
+        assert gsbatch.main(["--parsable", str(script)], env=env, backend=CliBackend(), decider=Model()) == 0
+        job_id = capfd.readouterr().out.strip()
+        assert _wait_final(job_id) == "COMPLETED"
+    finally:
+        subprocess.run(["scancel", "-n", name], check=False)
+    time.sleep(2)
+    comment = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "Comment", "-j", job_id], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    fields = parse_tag(comment)
+    assert fields is not None and fields["m"] == "model" and fields["p"] == "5.0" and fields["t"] == "2", comment
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    res = _ingest(url, started, SLURMGPU_SUBMISSION_SPOOL=str(spool_dir), SLURMGPU_GPU_SPOOL=str(tmp_path / "none"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    with db.make_engine(url).connect() as conn:
+        linked = ingest.decision_of_job(conn, "slurmgpu", job_id)
+    assert linked is not None and linked["decision_id"] == fields["d"] and linked["job_id"] == job_id
+    assert linked["decision"]["decider"] == "model"

@@ -127,7 +127,8 @@ def decision_of_job(conn: Connection, cluster: str, job_id: str) -> dict[str, An
     sub = cast(Table, Submission.__table__)
     row = conn.execute(select(sub.c.record_id, sub.c.decision_id, sub.c.job_id, sub.c.decision, sub.c.user)
                        .join(JOBS, (JOBS.c.decision_id == sub.c.decision_id) & (JOBS.c.user == sub.c.user))
-                       .where(JOBS.c.cluster == cluster, JOBS.c.job_id == job_id, sub.c.cluster == cluster)).first()
+                       .where(JOBS.c.cluster == cluster, JOBS.c.job_id == job_id,
+                              sub.c.cluster.in_([cluster, "default"]))).first()  # "default": gsbatch had no cluster
     return dict(row._mapping) if row else None
 
 
