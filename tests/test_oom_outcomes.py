@@ -226,7 +226,7 @@ def test_live_oom_job_is_recorded_stored_and_marked(tmp_path: Path) -> None:
     env = {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_JOB_UID": str(os.getuid()), "SLURM_CLUSTER_NAME": "slurmgpu",
            "SLURM_JOB_GPUS": "0", "SLURMD_NODENAME": "gpu2"}
     collector = subprocess.Popen([str(BIN / "slurmgpu-monitor"), "run", "--spool", str(spool_dir), "--run-dir",
-                                  str(run_dir), "--recorded", str(TRACE), "--interval", "5"], env=env)  # the trace lasts 30 s
+                                  str(run_dir), "--recorded", str(TRACE), "--interval", "5"], env=env)  # lasts 30 s
     try:
         deadline = time.monotonic() + 10
         while not (run_dir / f"{job_id}.pid").exists() and time.monotonic() < deadline:
