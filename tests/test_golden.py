@@ -32,6 +32,8 @@ INVOCATIONS: dict[str, tuple[list[str], dict[str, str]]] = {
     "inputs/cli_partition_override.sh": (["--partition=gpu-small"], {}),
     "inputs/env_partition_override.sh": ([], {"SBATCH_PARTITION": "gpu-small"}),
     "inputs/export_directive_and_cli.sh": (["--export=ALL,LR=0.001", "-J", "lr-sweep"], {}),
+    "inputs/gpu_mem_cli_move.sh": (["--gpu-mem", "24G"], {}),
+    "inputs/gpu_mem_too_large.sh": (["--gpu-mem=100G"], {}),
 }
 LUA_FIXED = ["--socket", "/run/slurmgpu/slurmgpu.sock", "--timeout-ms", "200", "--backoff-s", "10"]
 # The default render's golden is the shipped sample, contrib/lua/job_submit.lua (test_serve.py
