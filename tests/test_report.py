@@ -158,7 +158,9 @@ def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
     ]
     assert data["totals"] == pytest.approx({
         "jobs": 5, "gpu_hours": 9.0, "idle_gpu_hours": 2.0, "mem_used_share": (4 * a100_share + 4 * 0.75) / 8,
-        "ooms": 1, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5}, abs=1e-4)
+        "ooms": 1, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5,
+        "advised": 0, "advised_gpu_hours": 0.0, "advised_queue_hours": None}, abs=1e-4)
+    assert data["advised"] == []
     assert {(d["date"], d["gpu_type"]): d["gpu_hours"] for d in data["daily"]} == {
         ("2026-01-10", "a100"): 2.0, ("2026-01-11", "a100"): 2.0, ("2026-01-12", "v100"): 2.0,
         ("2026-01-15", "v100"): 2.0, ("2026-01-20", "t4"): 1.0}
@@ -445,3 +447,32 @@ def test_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path: Path) -> 
     assert data["totals"]["wasted_gpu_hours"] == 5.0
     clash = CliRunner().invoke(main, [*args, "--json", "--format", "csv"])
     assert clash.exit_code == 1 and "--json and --format csv" in clash.output
+
+
+def test_advised_decisions_are_shown_apart_from_applied_ones() -> None:
+    """Advise mode (pipeline/modes.py): the record holds the decision, marked advised, and says
+    nothing changed; the report counts it under 'advised, not applied', never as changed."""
+    change = {"changes": [{"index": 0, "gpu_type": None, "gpus_total": 2}],
+              "per_type": [candidate("v100", 4, 3600.0, 3000.0), candidate("v100", 2, 0.0, 3500.0)]}
+    original = {"gpu_type": "v100", "gpus_total": 4}
+    jobs = [use(job_id="1", gpu_type="v100", original=original, changed=False,
+                decision={**change, "mode": "advise", "advised": True}),
+            use(job_id="2", gpu_type="v100", user="w", original=original, changed=False,
+                decision={**change, "mode": "advise", "advised": True}),
+            use(job_id="3", gpu_type="v100", original=original, changed=True, decision=change),
+            use(job_id="4", original=original, changed=False,  # advise mode, nothing to advise
+                decision={"changes": [], "mode": "advise", "advised": False})]
+    rep = report.build(jobs, None, datetime(2026, 1, 1), datetime(2026, 1, 31))
+    totals = rep.totals()
+    assert (totals["changed"], totals["gpu_hours_saved"], totals["queue_hours_saved"]) == (1, 4.0, 1.0)
+    assert (totals["advised"], totals["advised_gpu_hours"], totals["advised_queue_hours"]) == (2, 8.0, 2.0)
+    assert rep.advised == (report.ChangeRow("4 -> 2 GPUs", 2, 2, 8.0, 2.0),)
+    assert render.headline(rep).endswith(
+        "1 changed by slurmgpu (4.0 GPU-h saved); advised, not applied: 2 jobs, est. 8.0 GPU-h / 2.0 queue-h")
+    assert json.loads(render.to_json(rep))["advised"] == [
+        {"change": "4 -> 2 GPUs", "jobs": 2, "users": 2, "gpu_hours_saved": 8.0, "queue_hours_saved": 2.0}]
+    assert [line.split(",")[0] for line in render.to_csv(rep).splitlines()].count("advised") == 1
+    assert "Advised, not applied" in render.table_rows(rep)
+    assert "advised, not applied" in render.to_html(rep, datetime(2026, 2, 1))
+    assert "Advised, not applied" not in render.table_rows(report.build(jobs[2:], None, datetime(2026, 1, 1),
+                                                                        datetime(2026, 1, 31)))

@@ -33,6 +33,7 @@ def to_json(report: Report) -> str:
         "gpu_types": [_rounded(t._asdict()) for t in report.types],
         "users": [_rounded(u._asdict()) for u in report.users],
         "changes": [_rounded(c._asdict()) for c in report.changes],
+        "advised": [_rounded(c._asdict()) for c in report.advised],
         "daily": [{"date": d.isoformat(), "gpu_type": t, "gpu_hours": round(h, 4)}
                   for d, per in report.daily.items() for t, h in sorted(per.items())],
         "alerts": alerts_mod.to_dicts(report.alerts),
@@ -65,8 +66,9 @@ def to_csv(report: Report, only_alerts: bool = False) -> str:
     writer = csv.DictWriter(out, fieldnames=list(dict.fromkeys(columns)), lineterminator="\n")
     writer.writeheader()
     sections: tuple[tuple[str, Sequence[Any]], ...] = (
-        ("gpu_type", report.types), ("user", report.users), ("change", report.changes), ("alert", report.alerts))
-    for section, rows in sections[3:] if only_alerts else sections:
+        ("gpu_type", report.types), ("user", report.users), ("change", report.changes), ("alert", report.alerts),
+        ("advised", report.advised))
+    for section, rows in sections[3:4] if only_alerts else sections:
         for row in rows:
             writer.writerow({"section": section, **{k: "" if v is None else v for k, v in _rounded(row._asdict())
                                                     .items()}})
@@ -96,6 +98,7 @@ NARROW = {
     "GPU types": ("GPU type", "jobs", "GPU-h", "idle GPU-h", "memory used"),
     "Users and accounts": ("user", "account", "jobs", "GPU-h", "idle GPU-h", "memory used", "OOMs", "changed"),
     "Changes by slurmgpu": ("change", "jobs", "users", "GPU-h saved"),
+    "Advised, not applied": ("change", "jobs", "users", "GPU-h saved"),
     "Alerts": ("user", "alert", "jobs", "wasted GPU-h", "fix"),
 }
 WIDE_ENOUGH = 200  # a terminal this wide shows every column
@@ -118,6 +121,9 @@ def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[st
             (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
             for c in report.changes]),
         "Alerts": alert_rows(report.alerts),
+        **({"Advised, not applied": (("change", "jobs", "users", "GPU-h saved", "queue h saved"), [
+            (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
+            for c in report.advised])} if report.advised else {}),
     }
 
 
@@ -173,7 +179,15 @@ def headline(report: Report) -> str:
     return (f"{_iso(report.since)} .. {_iso(report.until)}, {scope}: {t['jobs']} GPU jobs, "
             f"{_num(t['gpu_hours'])} GPU-h ({_num(t['idle_gpu_hours'])} idle), memory used "
             f"{_pct(t['mem_used_share'])}, {t['ooms']} OOMs, {t['changed']} changed by slurmgpu "
-            f"({_num(t['gpu_hours_saved'])} GPU-h saved)")
+            f"({_num(t['gpu_hours_saved'])} GPU-h saved)" + advised_line(t))
+
+
+def advised_line(totals: Mapping[str, Any]) -> str:
+    """'; advised, not applied: N jobs, est. X GPU-h / Y queue-h' when advise mode decided any."""
+    if not totals.get("advised"):
+        return ""
+    return (f"; advised, not applied: {totals['advised']} jobs, est. {_num(totals['advised_gpu_hours'])} GPU-h / "
+            f"{_num(totals['advised_queue_hours'])} queue-h")
 
 
 
@@ -324,6 +338,9 @@ def to_html(report: Report, generated: datetime) -> str:
              ("GPU memory used", _pct(t["mem_used_share"])), ("OOM jobs", str(t["ooms"])),
              ("changed by slurmgpu", str(t["changed"])), ("GPU-hours saved (est.)", _num(t["gpu_hours_saved"], 0)),
              ("queue hours saved (est.)", _num(t["queue_hours_saved"]))]
+    if t["advised"]:
+        tiles.append(("advised, not applied", f"{t['advised']} jobs, est. {_num(t['advised_gpu_hours'])} GPU-h / "
+                                              f"{_num(t['advised_queue_hours'])} queue-h"))
     return env.get_template("report/report.html.j2").render(
         since=_iso(report.since), until=_iso(report.until), generated=_iso(generated),
         scope=f"user {report.user}" if report.user else "all users", tiles=tiles, charts=charts(report),

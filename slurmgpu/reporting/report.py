@@ -37,6 +37,9 @@ DEFINITIONS = {
                        "GPU type alone saves none (the run time on the original type is unknown)",
     "queue_hours_saved": "estimate: the decider's expected queue wait for the original request minus that for the "
                          "decision, from the per-type numbers it recorded; empty where it recorded none",
+    "advised": "jobs submitted as written in advise mode ([policy] mode, pipeline/modes.py) whose record holds a "
+               "change slurmgpu would have made; their GPU-h and queue h are what that change would have saved, "
+               "estimated as for changed jobs. Not counted as changed",
     "daily": "GPU-hours by the UTC day the job ended",
     **{f"alert {k}": v for k, v in alerts.DEFINITIONS.items()},
 }
@@ -85,6 +88,7 @@ class Report(NamedTuple):
     changes: list[ChangeRow]
     daily: dict[date, dict[str, float]]  # day -> GPU type -> GPU-hours
     alerts: tuple[AlertRow, ...] = ()  # per user, account and kind; see slurmgpu.reporting.alerts
+    advised: tuple[ChangeRow, ...] = ()  # decided in advise mode, submitted as written: what would have changed
 
     def totals(self) -> dict[str, Any]:
         gpu_h = sum(t.gpu_hours for t in self.types)
@@ -100,6 +104,9 @@ class Report(NamedTuple):
             "changed": sum(u.changed for u in self.users),
             "gpu_hours_saved": sum(u.gpu_hours_saved for u in self.users),
             "queue_hours_saved": sum(queue) if queue else None,
+            "advised": sum(a.jobs for a in self.advised),
+            "advised_gpu_hours": sum(a.gpu_hours_saved for a in self.advised),
+            "advised_queue_hours": _sum_optional(a.queue_hours_saved for a in self.advised),
         }
 
 
@@ -163,6 +170,24 @@ def queue_seconds_saved(job: JobUse) -> float | None:
 
 
 # --- the summaries ----------------------------------------------------------------------------
+
+
+def advised(job: JobUse) -> bool:
+    """Decided in advise mode and submitted as written, with a change that was not applied."""
+    decision = job.decision or {}
+    return not job.changed and decision.get("advised") is True and bool(decision.get("changes"))
+
+
+def _advice_rows(jobs: Iterable[JobUse]) -> tuple[ChangeRow, ...]:
+    """Advised jobs by the change they would have had, with what it would have saved."""
+    by_change: dict[str, list[JobUse]] = defaultdict(list)
+    for j in jobs:
+        if advised(j):
+            by_change[describe_change(j.original, j.decision)].append(j._replace(changed=True))
+    rows = [ChangeRow(what, len(group), len({j.user for j in group}), sum(gpu_hours_saved(j) for j in group),
+                      _hours(_sum_optional(queue_seconds_saved(j) for j in group)))
+            for what, group in by_change.items()]
+    return tuple(sorted(rows, key=lambda c: (-c.jobs, c.change)))
 
 
 def _card_mib(config: Config | None, gpu_type: str) -> float | None:
@@ -229,7 +254,8 @@ def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until:
     return Report(since, until, user, sorted(types, key=lambda t: -t.gpu_hours),
                   sorted(users, key=lambda u: (-u.gpu_hours, u.user, u.account)),
                   sorted(changes, key=lambda c: (-c.jobs, c.change)),
-                  {d: dict(v) for d, v in sorted(daily.items())}, tuple(alerts.build(jobs, config)))
+                  {d: dict(v) for d, v in sorted(daily.items())}, tuple(alerts.build(jobs, config)),
+                  _advice_rows(jobs))
 
 
 # --- output formats ---------------------------------------------------------------------------
