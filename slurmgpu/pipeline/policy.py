@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
+from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
 
@@ -205,7 +206,6 @@ class ModelDecider:
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.pipeline.features import job_features, script_features
-        from slurmgpu.pipeline.hardware import supports_bf16
         from slurmgpu.pipeline.launch import launch_need
 
         rule = self.rules.decide(request)
@@ -238,8 +238,8 @@ class ModelDecider:
         options: list[tuple[GpuType, int, dict[str, float]]] = []
         for part in offered:
             for gtype in part.gpu_types:
-                if sf.get("bf16") and gtype != req_type and supports_bf16(gtype) is False:
-                    continue  # pipeline/hardware.py: a bf16 job is never moved to a card without bf16
+                if gtype != req_type and not self._runs_there(sf, req_type, gtype):
+                    continue
                 gt = self.config.gpu_types[gtype]
                 gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
                 counts = range(min(fewest, req_total), min(req_total, part.gpus_per_node) + 1) \
@@ -402,6 +402,19 @@ class ModelDecider:
         seen = set(fam.get("shapes", ())) | {f"{comp.gpus_total}x{comp.gpu_type}"}
         peak = float(self.bundle.predict(feats, sf["family"]).peak_mem_mib)
         return peak * (1.0 if f"{gpus}x{gpu_type}" in seen else self.unseen_penalty)
+
+    def _runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:
+        """Whether the job may move to ``gpu_type`` at all (pipeline/hardware.py): a bf16 job never to
+        a card without bf16; an fp32 job from a TF32 card (Ampere and newer) to one without TF32 only
+        where its family ran on that type (its speed there is many times the datasheet ratio off)."""
+        if supports_bf16(gpu_type) is not False:
+            return True
+        if sf.get("bf16"):
+            return False
+        if sf.get("precision_bits", 32) >= 32 and req_type and supports_bf16(req_type):
+            shapes = self.bundle.history.family(sf["family"]).get("shapes", ())
+            return any(s.split("x", 1)[-1] == gpu_type for s in shapes)
+        return True
 
     def _plausible_runtime(self, model_s: float, asked_s: float, asked_type: str, asked_gpus: int,
                            gpu_type: str, gpus: int, used: int) -> float:
