@@ -33,7 +33,7 @@ FAMILY = script_features("#!/bin/bash\n" + BODY)["family"]
 
 def config_text(extra: str = "", policy: str = "") -> str:
     """The sample config with lines added to [policy] and at the end."""
-    text = SAMPLE.read_text().replace("[policy]\n", f"[policy]\n{policy}\n", 1)
+    text = re.sub(r"(?m)^mode = .*\n", "", SAMPLE.read_text()).replace("[policy]\n", f"[policy]\n{policy}\n", 1)
     return text + "\n" + extra
 
 
@@ -101,6 +101,14 @@ def test_bad_modes_and_waivers_are_refused_with_their_key(tmp_path: Path, extra:
                                                           message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(write_config(tmp_path, extra, policy))
+
+
+def test_parse_prints_the_family_a_waiver_names(tmp_path: Path) -> None:
+    p = tmp_path / "j.sh"
+    p.write_text("#!/bin/bash\n#SBATCH --gres=gpu:a100:1\n" + BODY.replace("64", "128"))
+    res = subprocess.run([str(BIN / "slurmgpu"), "parse", str(p), "--json"], capture_output=True, text=True,
+                         env={"PATH": f"{BIN}:/usr/bin:/bin"}, timeout=60, check=True)
+    assert json.loads(res.stdout)["family"] == FAMILY  # another batch size: the same family
 
 
 # --- the resolution --------------------------------------------------------------------------------

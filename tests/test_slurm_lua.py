@@ -9,6 +9,7 @@ hook back at the end.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -347,7 +348,8 @@ def test_without_lua_socket_every_job_passes(lua: Path, sock: str, tmp_path: Pat
 
 def mode_config(tmp_path: Path, extra: str, policy: str = "") -> Path:
     p = tmp_path / "modes.toml"
-    p.write_text(SAMPLE.read_text().replace("[policy]\n", f"[policy]\n{policy}\n", 1) + "\n" + extra)
+    text = re.sub(r"(?m)^mode = .*\n", "", SAMPLE.read_text())
+    p.write_text(text.replace("[policy]\n", f"[policy]\n{policy}\n", 1) + "\n" + extra)
     return p
 
 

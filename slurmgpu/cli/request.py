@@ -35,6 +35,13 @@ def parse_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...], 
     except InputError as exc:
         fail(exc)
     data = request.to_json()
+    if request.script is not None:  # the job family key, as [[waivers]] name it
+        from slurmgpu.pipeline.features import script_features
+
+        try:
+            data["family"] = script_features(request.script.text)["family"]
+        except ValueError:
+            data["family"] = None
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
