@@ -10,6 +10,7 @@ from slurmgpu.cli.models import evaluate_cmd, nightly_cmd, predict_cmd, train_cm
 from slurmgpu.cli.render import render_group
 from slurmgpu.cli.report import doctor_cmd, report_cmd
 from slurmgpu.cli.request import config_group, parse_cmd
+from slurmgpu.cli.retry import retry_cmd
 from slurmgpu.cli.scenario import scenario_cmd
 from slurmgpu.cli.seff import seff_cmd
 from slurmgpu.cli.serve import lua_group, render_serve_cmd, serve_cmd
@@ -40,6 +41,6 @@ def demo_cmd() -> None:
 
 for command in (parse_cmd, config_group, db_group, ingest_cmd, jobs_cmd, history_group, train_cmd, evaluate_cmd,
                 predict_cmd, nightly_cmd, render_group, serve_cmd, lua_group, report_cmd, doctor_cmd, scenario_cmd,
-                workload_group, demo_cmd, seff_cmd):
+                workload_group, demo_cmd, seff_cmd, retry_cmd):
     main.add_command(command)
 render_group.add_command(render_serve_cmd)

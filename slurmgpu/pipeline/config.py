@@ -47,6 +47,7 @@ class Policy(NamedTuple):
     min_history: int = 3  # jobs of a family before its predictions are trusted
     scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
     mode: str = REWRITE  # "advise": decide and record, submit as written (see pipeline/modes.py)
+    oom_retry: bool = False  # `slurmgpu retry` requeues a GPU-OOM job once onto a larger card
 
 
 class Site(NamedTuple):
@@ -265,6 +266,7 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         min_history=int(pol.number("min_history", 3, above=False)),
         scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),
         mode=pol.get("mode", str, REWRITE),
+        oom_retry=pol.get("oom_retry", bool, False),
     )
     if policy.mode not in MODES:
         raise pol._err("mode", f"must be one of {', '.join(MODES)}, got {policy.mode!r}")
