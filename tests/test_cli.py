@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,22 @@ def test_render_nightly_uses_the_given_config_and_the_installed_command(tmp_path
     assert f"Environment=SLURMGPU_CONFIG={sample_config.resolve()}\n" in unit
     assert f"ExecStart={Path(sys.executable).parent / 'slurmgpu'} nightly\n" in unit
     assert f"SLURMGPU_CONFIG={sample_config.resolve()}" in (tmp_path / "slurmgpu.cron").read_text()
+
+
+def test_jobs_table_fits_80_columns_and_wide_shows_every_column(tmp_path: Path) -> None:
+    from slurmgpu.history import db, ingest
+    from slurmgpu.slurm import sacct
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    lines = ["JobID|User|State|Partition|Submit|Elapsed|AllocTRES\n",
+             "7|root|COMPLETED|gpu-small|2026-11-01T10:00:00|1-02:03:04|cpu=1,gres/gpu=2,gres/gpu:a100=2\n"]
+    ingest.load_jobs(db.make_engine(url), sacct.parse_lines(lines, None, "|", "slurmgpu"))
+    env = {**os.environ, "COLUMNS": "80"}
+    narrow = subprocess.run([str(BIN / "slurmgpu"), "--db", url, "jobs"], capture_output=True, text=True, env=env,
+                            check=False)
+    assert narrow.returncode == 0 and max(len(line) for line in narrow.stdout.splitlines()) <= 80
+    assert "1-02:03:04" in narrow.stdout and "2 x a100" in narrow.stdout and "--wide" in narrow.stdout
+    wide = subprocess.run([str(BIN / "slurmgpu"), "--db", url, "jobs", "--wide"], capture_output=True, text=True,
+                          env=env, check=False)
+    assert "gpu-small" in wide.stdout and "max util %" in wide.stdout

@@ -164,9 +164,10 @@ def _ingest_file(engine: Any, path: str, columns: Any, delimiter: str, cluster: 
 @click.option("--job", "job_ids", multiple=True, help="Only this job id (as sacct prints it); repeatable.")
 @click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Show at most this many jobs, the newest.")
+@click.option("--wide", is_flag=True, help="Every column, however wide the terminal.")
 @click.pass_context
 def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, job_ids: tuple[str, ...],
-             limit: int) -> None:
+             limit: int, wide: bool) -> None:
     """Read the stored history back, newest first; says how many matching jobs the limit left out."""
     from slurmgpu.history.queries import job_count, job_rows
 
@@ -186,17 +187,25 @@ def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, jo
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
+    from slurmgpu.reporting import render
 
-    table = Table("job_id", "user", "partition", "state", "gpus", "elapsed_s", "peak_gpu_mem_mib", "max_gpu_util")
-    for r in rows:
-        gpus = f"{r['gpu_count']} x {r['gpu_type'] or 'any'}" if r["gpu_count"] else "-"
-        table.add_row(r["job_id"], r["user"] or "", r["partition"] or "", r["state"], gpus,
-                      str(r["elapsed_s"] if r["elapsed_s"] is not None else ""),
-                      f"{r['peak_gpu_mem_mib']:.0f}" if r["peak_gpu_mem_mib"] is not None else "",
-                      f"{r['max_gpu_util']:.0f}" if r["max_gpu_util"] is not None else "")
-    Console().print(table)
+    header = ("job", "user", "partition", "state", "GPUs", "elapsed", "peak GiB/GPU", "max util %")
+    cells: list[tuple[str, ...]] = [(r["job_id"], r["user"] or "", r["partition"] or "", r["state"],
+              f"{r['gpu_count']} x {r['gpu_type'] or 'any'}" if r["gpu_count"] else "-",
+              _elapsed(r["elapsed_s"]),
+              f"{r['peak_gpu_mem_mib'] / 1024:.1f}" if r["peak_gpu_mem_mib"] is not None else "",
+              f"{r['max_gpu_util']:.0f}" if r["max_gpu_util"] is not None else "") for r in rows]
+    if render.print_table("Jobs", header, cells, render.console_for(wide), wide):
+        click.echo("Columns left out to fit the terminal: --wide shows them all, --json every field.")
+
+
+def _elapsed(seconds: int | None) -> str:
+    """Like sacct's Elapsed: [D-]HH:MM:SS."""
+    if seconds is None:
+        return ""
+    days, rest = divmod(int(seconds), 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
 
 
 @click.group("history")

@@ -100,6 +100,7 @@ NARROW = {
     "Changes by slurmgpu": ("change", "jobs", "users", "GPU-h saved"),
     "Advised, not applied": ("change", "jobs", "users", "GPU-h saved"),
     "Alerts": ("user", "alert", "jobs", "wasted GPU-h", "fix"),
+    "Jobs": ("job", "state", "GPUs", "elapsed", "peak GiB/GPU"),
 }
 WIDE_ENOUGH = 200  # a terminal this wide shows every column
 
