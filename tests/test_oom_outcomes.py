@@ -245,10 +245,14 @@ def test_live_oom_job_is_recorded_stored_and_marked(tmp_path: Path) -> None:
     assert rec.gpu_oom is not None and rec.gpu_oom.framework == "pytorch"
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)
-    time.sleep(2)  # sacct lags the job's end a little
-    res = _ingest(url, started, SLURMGPU_GPU_SPOOL=str(spool_dir), SLURMGPU_SUBMISSION_SPOOL=str(tmp_path / "none"))
-    assert res.returncode == 0 and "1 spool records loaded" in res.stdout, res.stdout + res.stderr
     engine = db.make_engine(url)
+    deadline = time.monotonic() + 60
+    while True:  # sacct may show a just-finished job a moment late; the ingest is idempotent
+        res = _ingest(url, started, SLURMGPU_GPU_SPOOL=str(spool_dir), SLURMGPU_SUBMISSION_SPOOL=str(tmp_path / "none"))
+        assert res.returncode == 0, res.stdout + res.stderr
+        if any(r["job_id"] == job_id for r in train.history_rows(engine)) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     with engine.connect() as conn:
         stored = conn.execute(select(db.GpuUsage.gpu_oom, db.GpuUsage.gpu_oom_line)
                               .where(db.GpuUsage.job_id == job_id)).one()

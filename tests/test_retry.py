@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from slurmgpu.apps import retry
 from slurmgpu.history import db, ingest
@@ -143,8 +144,14 @@ def test_live_oom_job_is_requeued_once_onto_a_larger_card(tmp_path: Path) -> Non
         url = f"sqlite:///{tmp_path / 'h.db'}"
         db.upgrade(url)
         engine = db.make_engine(url)
-        time.sleep(2)  # sacct lags the end a little
-        ingest.ingest_sacct(engine, "slurmgpu", since=started.replace(tzinfo=None))
+        deadline = time.monotonic() + 60
+        while True:  # sacct may show a just-finished job a moment late; the ingest is idempotent
+            ingest.ingest_sacct(engine, "slurmgpu", since=started.replace(tzinfo=None))
+            with engine.connect() as conn:
+                states = dict(conn.execute(select(db.Job.job_id, db.Job.state).where(db.Job.job_id.in_(ids))).all())
+            if all(states.get(j) == "FAILED" for j in ids) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         with engine.begin() as conn:
             for job_id in ids:
                 conn.execute(db.GpuUsage.__table__.insert().values(
