@@ -175,6 +175,9 @@ def test_advise_mode_submits_as_written_and_keeps_the_decision() -> None:
     assert out["record"]["changed"] is False and out["record"]["decision"]["advised"] is True
     assert out["record"]["decision"]["d"] == "0123456789ab"  # the record's own fields stay
     assert modes.apply_resolution(PLAN, modes.Resolution(), ["-t", "60"]) == PLAN  # rewrite: as planned
+    tagged = {**PLAN, "tag": "slurmgpu:d=0123456789ab;m=model"}
+    assert modes.apply_resolution(tagged, modes.Resolution(), [])["tag"] == tagged["tag"]
+    assert "tag" not in modes.apply_resolution(tagged, modes.Resolution(ADVISE, "default"), [])  # no comment either
     assert modes.advice_line(PLAN["record"]["original_request"], decision) == \
         "1 x v100 would finish in ~40 min vs ~95 min as asked (58% sooner); submitted as written"
 

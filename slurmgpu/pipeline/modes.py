@@ -155,7 +155,10 @@ def apply_resolution(plan: Mapping[str, Any], resolution: Resolution, options: S
 
 
 def _with(plan: Mapping[str, Any], decision: dict[str, Any], submission: Mapping[str, Any]) -> dict[str, Any]:
+    """Advice or a waiver: submitted as written, so not even the decision tag goes into the job's
+    comment (the record keeps the decision)."""
     out = dict(plan, decision=decision, submission=dict(submission))
+    out.pop("tag", None)
     record = plan.get("record")
     if isinstance(record, dict):
         kept: dict[str, Any] = record["decision"] if isinstance(record.get("decision"), dict) else {}
