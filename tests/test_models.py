@@ -323,3 +323,22 @@ def test_gpu_mem_with_the_model_shows_the_predicted_peak_next_to_the_ask(trained
     unknown = build_request(parse_script(b"#!/bin/bash\n#SBATCH --gres=gpu:1\npython new.py\n", "j.sh"), [], {},
                             config.gpu_features())
     assert "predicted" not in decide_gpu_mem(decider, unknown, GpuMemAsk(24.0, "24G", "command line")).reasons[0]
+
+
+def test_history_features_see_only_jobs_that_ended_before_submission(config) -> None:
+    """Point in time: a job submitted while an earlier one of its family still runs must not see
+    that one's outcome (its peak, its shape) in its features."""
+    rows = history(40)
+    family = rows[0]["script"]["family"]
+    same = [r for r in rows if r["script"]["family"] == family][:3]
+    first, second, third = same
+    long_end = third["submit"] + timedelta(hours=1)  # the first runs past the third's submission
+    rows = [{**r, "end": long_end} if r is first else {**r, "end": r["submit"] + timedelta(seconds=r["elapsed"])}
+            for r in rows]
+    examples, snapshot = train.build_examples(rows, config)
+    by_id = {e["job_id"]: e for e in examples}
+    fam_n = train.NUMERIC.index("fam_n")
+    assert by_id[second["job_id"]]["x"][fam_n] == 0  # the first had not ended
+    assert by_id[third["job_id"]]["x"][fam_n] == (1 if second["submit"] + timedelta(seconds=second["elapsed"])
+                                                  <= third["submit"] else 0)
+    assert snapshot.family(family)["n"] >= 3  # the bundle's snapshot knows every outcome

@@ -6,9 +6,10 @@ have been known at its submission; the bundle ships the statistics as of the end
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -32,7 +33,7 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
     from slurmgpu.history.queries import peak_of
 
     stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.user, Job.submit_time, Job.state,
-                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib)
+                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Job.end_time)
             .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
             .order_by(Job.submit_time, Job.job_id))
     out = []
@@ -58,7 +59,8 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
             raw = r["job_id_raw"]
             oom = ooms.get((r["cluster"], r["job_id"])) or (ooms.get((r["cluster"], str(raw))) if raw else None)
             out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
-                        "gpu_type": r["gpu_type"], "gpus": r["gpu_count"], "elapsed": r["elapsed_s"],
+                        "end": r["end_time"], "gpu_type": r["gpu_type"], "gpus": r["gpu_count"],
+                        "elapsed": r["elapsed_s"],
                         "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {},
                         "gpu_oom": oom})
     return out
@@ -144,11 +146,22 @@ def _gpu(config: Config, name: str | None) -> dict[str, float]:
         {"memory_gib": 0.0, "relative_speed": 1.0}
 
 
+def ended_at(row: Mapping[str, Any]) -> datetime:
+    """When a job's outcome became known: its end (sacct), else submit + elapsed (its earliest end)."""
+    if row.get("end") is not None:
+        return row["end"]
+    return row["submit"] + timedelta(seconds=row.get("elapsed") or 0)
+
+
 def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[list[dict[str, Any]], HistoryStats]:
-    """Feature rows with history as of each job's submission, and the final snapshot."""
+    """Feature rows with history as of each job's submission (point in time: only jobs that had
+    ended by then count, never one still queued or running), and the final snapshot."""
     running = _Running()
     examples = []
-    for row in rows:
+    ended: list[tuple[datetime, int, dict[str, Any]]] = []  # a heap of outcomes not known yet
+    for seq, row in enumerate(rows):
+        while ended and ended[0][0] <= row["submit"]:
+            running.add(heapq.heappop(ended)[2])
         gpu = _gpu(config, row["gpu_type"])
         history = HistoryStats({row["script"]["family"]: running.family_now(row["script"]["family"])})
         request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"]}
@@ -157,8 +170,10 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
         base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
         oom = gpu_oom(row, config)
         examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
-        running.add({**row, "state": "OUT_OF_MEMORY" if oom else row["state"], "oom": oom,
-                     "card_gib": gpu["memory_gib"]})
+        heapq.heappush(ended, (ended_at(row), seq, {**row, "state": "OUT_OF_MEMORY" if oom else row["state"],
+                                                     "oom": oom, "card_gib": gpu["memory_gib"]}))
+    while ended:  # the snapshot shipped in the bundle knows every outcome
+        running.add(heapq.heappop(ended)[2])
     return examples, running.snapshot()
 
 

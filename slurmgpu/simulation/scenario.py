@@ -202,7 +202,7 @@ def training_rows(jobs: Sequence[JobSpec], cluster: ClusterSpec, features: Mappi
                   requests: Mapping[str, JobRequest]) -> list[dict[str, Any]]:
     """Rows as ``train.history_rows`` returns them, from the jobs' runs on the GPUs they asked for:
     state and elapsed as sacct would show them, the per-GPU peak as the collector would."""
-    return [{"job_id": r.job.job_id, "user": r.job.user, "submit": r.job.submit_time, "state": r.state,
+    return [{"job_id": r.job.job_id, "user": r.job.user, "submit": r.job.submit_time, "state": r.state, "end": r.end,
              "gpu_type": cluster.gres_name(r.gpu_type), "gpus": r.gpus, "elapsed": r.elapsed_s,
              "peak": r.peak_mem_mib, "script": features[r.job.script], "request": requests[r.job.script].to_json()}
             for r in history_runs(jobs, cluster) if r.state in USED_STATES]
