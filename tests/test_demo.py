@@ -47,3 +47,25 @@ def test_examples_without_history_are_not_changed_by_the_model(result: dict) -> 
         if "/contrib/examples/" in path and not plan.decision.refusal:
             assert any("earlier jobs of this family" in r or "pins" in r or "request kept" in r
                        for r in plan.decision.reasons), (path, plan.decision.reasons)
+
+
+def test_the_gate_keeps_the_installed_model_against_a_worse_or_unevaluated_one(result: dict) -> None:
+    """The nightly's keep-better gate, on the demo's store: a planted worse candidate (the median,
+    not the 0.995 quantile, of memory: it under-predicts half the peaks) and a candidate with no
+    held-out jobs are registered but never installed; the installed model stays byte for byte."""
+    import hashlib
+    import subprocess
+    import sys
+
+    config = result["config"]
+    installed = Path(config.site.model_path)
+    before = hashlib.sha256(installed.read_bytes()).hexdigest()
+    slurmgpu = [str(Path(sys.executable).parent / "slurmgpu"), "--config", config.path, "train", "--iterations", "60"]
+    worse = subprocess.run([*slurmgpu, "--quantile", "0.5"], capture_output=True, text=True, check=False)
+    assert worse.returncode == 0, worse.stderr
+    assert "new model evaluates worse than the current one" in worse.stdout and f"kept {installed}" in worse.stdout
+    blind = subprocess.run([*slurmgpu, "--test-days", "0"], capture_output=True, text=True, check=False)
+    assert blind.returncode == 0 and "new model not evaluated" in blind.stdout, blind.stdout + blind.stderr
+    assert hashlib.sha256(installed.read_bytes()).hexdigest() == before
+    versions = sorted(installed.parent.glob(f"{installed.stem}-v*.json"))
+    assert len(versions) >= 3  # the demo's, and the two candidates kept for the record

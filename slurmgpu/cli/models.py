@@ -42,6 +42,13 @@ def train_cmd(ctx: click.Context, test_days: float, quantile: float, iterations:
     metrics = train.evaluate(bundle, train_rows, test_rows, config) if test_rows else {}
     bundle.data["metrics"] = metrics
     path = model_path(ctx)
+    evaluated = metrics.get("memory_under_prediction_rate") is not None or metrics.get("runtime_mdape") is not None
+    if keep_better and not evaluated and os.path.exists(path):
+        # A model never measured on held-out jobs does not replace one in use (it may be worse).
+        registry.register(engine, bundle, path, active=False)
+        click.echo(f"new model not evaluated (no held-out jobs with outcomes to measure it on: --test-days): "
+                   f"kept {path}")
+        return
     old = registry.current_metrics(path, train_rows, test_rows, config) if keep_better and test_rows else None
     if old is not None and registry.worse(metrics, old):
         click.echo(f"new model evaluates worse than the current one ({_fmt(metrics)} vs {_fmt(old)}): kept {path}")
