@@ -16,6 +16,7 @@ from slurmgpu.slurm.sacct import (
     FIELDS,
     JobRecord,
     RowError,
+    format_duration,
     format_fields,
     gpu_usage_is_summed,
     gpus_of,
@@ -414,3 +415,8 @@ def test_summed_gpu_usage_is_per_gpu_for_the_batch_step_and_an_upper_bound_elsew
     parts[idx] = parts[idx].replace("gres/gpumem=1500M", "gres/gpumem=9000M")
     lines.insert(i + 1, "|".join(parts) + "\n")
     assert _jobs(list(parse_lines(lines, FIELDS, "|", summed_gpu_usage=True)))[multi]["sacct_gpu_mem_mib"] == 9000.0
+
+
+@pytest.mark.parametrize("seconds", [0, 59, 3600, 86399, 86400, 90061, 10 * 86400 + 5])
+def test_format_duration_is_what_parse_duration_reads(seconds: int) -> None:
+    assert parse_duration(format_duration(seconds)) == seconds

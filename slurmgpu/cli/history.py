@@ -188,24 +188,17 @@ def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, jo
         click.echo(json.dumps(rows, indent=2))
         return
     from slurmgpu.reporting import render
+    from slurmgpu.slurm.sacct import format_duration
 
     header = ("job", "user", "partition", "state", "GPUs", "elapsed", "peak GiB/GPU", "max util %")
     cells: list[tuple[str, ...]] = [(r["job_id"], r["user"] or "", r["partition"] or "", r["state"],
               f"{r['gpu_count']} x {r['gpu_type'] or 'any'}" if r["gpu_count"] else "-",
-              _elapsed(r["elapsed_s"]),
+              format_duration(r["elapsed_s"]) if r["elapsed_s"] is not None else "",
               f"{r['peak_gpu_mem_mib'] / 1024:.1f}" if r["peak_gpu_mem_mib"] is not None else "",
               f"{r['max_gpu_util']:.0f}" if r["max_gpu_util"] is not None else "") for r in rows]
     if render.print_table("Jobs", header, cells, render.console_for(wide), wide):
         click.echo("Columns left out to fit the terminal: --wide shows them all, --json every field.")
 
-
-def _elapsed(seconds: int | None) -> str:
-    """Like sacct's Elapsed: [D-]HH:MM:SS."""
-    if seconds is None:
-        return ""
-    days, rest = divmod(int(seconds), 86400)
-    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
-    return f"{days}-{text}" if days else text
 
 
 @click.group("history")

@@ -16,6 +16,7 @@ from slurmgpu.pipeline.config import Config
 from slurmgpu.reporting import alerts
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, UNTYPED, OneJob, job_use
 from slurmgpu.reporting.report import describe_change
+from slurmgpu.slurm.sacct import format_duration
 
 MIN_SAMPLES = 3  # fewer collector samples than this: utilisation is a guess
 MIN_ELAPSED_S = 60  # the collector samples every few seconds; shorter jobs have no reliable mean
@@ -143,12 +144,7 @@ def build(found: OneJob, config: Config | None) -> Seff:
 
 
 def _duration(seconds: int | None) -> str:
-    if seconds is None:
-        return "-"
-    days, rest = divmod(int(seconds), 86400)
-    h, rest = divmod(rest, 3600)
-    m, s = divmod(rest, 60)
-    return (f"{days}-" if days else "") + f"{h:02d}:{m:02d}:{s:02d}"
+    return "-" if seconds is None else format_duration(seconds)
 
 
 def _gib(mib: float | None) -> str:

@@ -61,6 +61,13 @@ def parse_duration(text: str, field: str = "Elapsed") -> int | None:
     return int(days or 0) * 86400 + int(hours or 0) * 3600 + int(minutes) * 60 + int(float(seconds))
 
 
+def format_duration(seconds: int) -> str:
+    """``[D-]HH:MM:SS``, as sbatch accepts and sacct prints it (parse_duration's inverse)."""
+    days, rest = divmod(int(seconds), 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
 def parse_size_mib(text: str, field: str = "MaxRSS") -> float | None:
     """``1104K``, ``1.5G``, ``4000Mc`` (older per-CPU suffix) to MiB; plain numbers are bytes."""
     if text in _NONE or text == "0":

@@ -27,8 +27,7 @@ from slurmgpu.simulation.workload.catalog import load_catalog
 from slurmgpu.simulation.workload.cluster import ClusterSpec
 from slurmgpu.simulation.workload.jobs import JobSpec
 from slurmgpu.simulation.workload.schedule import Outcome, Run, jitter, simulate
-from slurmgpu.simulation.workload.scripts import slurm_duration
-from slurmgpu.slurm.sacct import FIELDS
+from slurmgpu.slurm.sacct import FIELDS, format_duration
 
 SAMPLE_INTERVAL_S = 5.0  # slurmgpu-monitor's default
 _SHELL_RSS_KIB = 3208  # a batch shell that only waits on srun (tests/fixtures/sacct, job 1076)
@@ -61,7 +60,7 @@ def _exit(run: Run) -> tuple[str, str]:
 
 def _usage(run: Run, rss_kib: int) -> str:
     disk = int(1e6 + 1e10 * jitter(run.job.job_id, "disk"))
-    return (f"cpu={slurm_duration(run.elapsed_s)},energy=0,fs/disk={disk},mem={rss_kib}K,pages=0,"
+    return (f"cpu={format_duration(run.elapsed_s)},energy=0,fs/disk={disk},mem={rss_kib}K,pages=0,"
             f"vmem={rss_kib * 2 + 5512}K")
 
 
@@ -69,7 +68,7 @@ def sacct_lines(runs: Sequence[Run], cluster: ClusterSpec) -> Iterator[str]:
     """One ``|``-joined line per job and step, in ``slurmgpu.slurm.sacct.FIELDS`` order."""
     for run in runs:
         job = run.job
-        start, end, elapsed = _local(run.start), _local(run.end), slurm_duration(run.elapsed_s)
+        start, end, elapsed = _local(run.start), _local(run.end), format_duration(run.elapsed_s)
         job_exit, step_exit = _exit(run)
         state = f"CANCELLED by {job.uid}" if run.state == "CANCELLED" else run.state
         step_state = _BATCH_STATE.get(run.state, run.state)
@@ -78,7 +77,7 @@ def sacct_lines(runs: Sequence[Run], cluster: ClusterSpec) -> Iterator[str]:
         rows = [{
             "JobID": job.job_id, "JobIDRaw": str(job.job_id_raw), "User": job.user, "Partition": run.partition,
             "QOS": "normal", "Submit": _local(job.submit_time), "Eligible": _local(job.submit_time),
-            "Timelimit": slurm_duration(job.time_limit_s), "State": state, "ExitCode": job_exit,
+            "Timelimit": format_duration(job.time_limit_s), "State": state, "ExitCode": job_exit,
             "ReqTRES": _tres(run, cluster, True), "AllocTRES": _tres(run, cluster, True), "ReqMem": _mem(job.mem_mb),
             "JobName": job.job_name,
         }, {

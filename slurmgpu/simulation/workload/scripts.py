@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from slurmgpu.simulation.workload.catalog import Catalog
 from slurmgpu.simulation.workload.jobs import JobSpec
+from slurmgpu.slurm.sacct import format_duration
 
 
 class ScriptStyle(NamedTuple):
@@ -21,13 +22,6 @@ class ScriptStyle(NamedTuple):
     conda: bool  # `conda activate` rather than a venv
     explicit_partition: bool  # writes --partition even for the default partition
     explicit_account: bool
-
-
-def slurm_duration(seconds: int) -> str:
-    """``[D-]HH:MM:SS`` as sbatch accepts and sacct prints it."""
-    days, rest = divmod(int(seconds), 86400)
-    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
-    return f"{days}-{clock}" if days else clock
 
 
 def _gpu_directive(option: str, gres: str, count: int) -> str:
@@ -94,7 +88,7 @@ def render(job: JobSpec, gres: str, style: ScriptStyle, default_partition: str, 
         lines.append(f"#SBATCH --ntasks-per-node={ntasks}")
     lines += [f"#SBATCH --cpus-per-task={job.cpus // ntasks}",
               f"#SBATCH --mem={job.mem_mb // 1024}G",
-              f"#SBATCH --time={slurm_duration(job.time_limit_s)}"]
+              f"#SBATCH --time={format_duration(job.time_limit_s)}"]
     if job.array:
         lines += [f"#SBATCH --array={job.array}", "#SBATCH --output=logs/%x-%A_%a.out"]
     else:
