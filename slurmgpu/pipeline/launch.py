@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from slurmgpu.pipeline.features import command_lines
+
 # A launcher's process count written as a number (not a variable): group "n" is the count.
 _FIXED_COUNT = re.compile(
     r"(?:--nproc[_-]per[_-]node|--num[_-]processes|--num[_-]gpus|--nproc|--gpus|--devices)[= ]+(?P<n>\d+)\b"
@@ -36,18 +38,13 @@ class LaunchNeed(NamedTuple):
     why: str
 
 
-def _command_text(script: str) -> str:
-    text = script.replace("\\\n", " ")
-    return "\n".join(ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#"))
-
-
 def launch_need(script: str, per_task: bool = False) -> LaunchNeed:
     """What the script's launch needs of the GPU count.
 
     ``per_task``: the GPUs are asked per task (``--gpus-per-task``), so a changed count keeps the
     task count and changes each task's share; ``srun`` without a task count of its own then starts
     the same tasks, each on its new share."""
-    commands = _command_text(script)
+    commands = "\n".join(command_lines(script))
     fixed = [(int(next(g for g in m.groups() if g)), " ".join(m.group(0).split()))
              for m in _FIXED_COUNT.finditer(commands)]
     if fixed:
