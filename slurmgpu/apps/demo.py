@@ -67,14 +67,7 @@ class _AtTheCut(CliBackend):
         self.runs = [r for r in simulate(jobs, DEFAULT_CLUSTER) if r.end > cut]
 
     def nodes(self) -> list[NodeInfo]:
-        hosts: dict[str, NodeInfo] = {}
-        for part in self.cluster.partitions:
-            for pool in part.pools:
-                for host in pool.hosts:
-                    node = hosts.get(host, NodeInfo(host, ()))
-                    hosts[host] = node._replace(partitions=tuple(dict.fromkeys((*node.partitions, part.name))),
-                                                gpus={**node.gpus, pool.gres: pool.gpus_per_node})
-        return list(hosts.values())
+        return self.cluster.slurm_nodes()
 
     def queue(self) -> list[QueuedJob]:
         out = []

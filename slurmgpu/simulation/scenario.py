@@ -219,14 +219,7 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
         for pool in part.pools:
             capacity[pool.gres] = capacity.get(pool.gres, 0) + len(pool.hosts) * pool.gpus_per_node
     deciders: dict[str, Decider] = {}
-    hosts: dict[tuple[str, tuple[str, ...]], int] = {}
-    for part in cluster.partitions:
-        for pool in part.pools:
-            hosts[(pool.gres, pool.hosts)] = pool.gpus_per_node
-    nodes: dict[str, list[int]] = {}
-    for (gres, names), per_node in hosts.items():
-        nodes.setdefault(gres, []).extend([per_node] * len(names))
-    ledger = GpuLedger(nodes)
+    ledger = GpuLedger.from_queue(cluster.slurm_nodes(), [])
     clock = [0.0]  # the submit time being decided, seconds from the first evaluated job
     t0 = jobs[0].submit_time if jobs else datetime(1970, 1, 1)
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from slurmgpu.slurm.backend import NodeInfo
+
 
 class NodePool(NamedTuple):
     """Identical nodes of one GPU type. Pools may share hosts (a node with several types), each
@@ -58,6 +60,18 @@ class ClusterSpec(NamedTuple):
         if not offering:
             raise KeyError(f"cluster {self.name}: no partition offers {gpu_type}")
         return next((p for p in offering if p.name == preferred), offering[0])
+
+    def slurm_nodes(self) -> list[NodeInfo]:
+        """The nodes as Slurm's backend lists them (name, partitions, GPUs per type): what the
+        queue ledger (pipeline/queue.py) is built on, for the demo and the scenario as live."""
+        hosts: dict[str, NodeInfo] = {}
+        for part in self.partitions:
+            for pool in part.pools:
+                for host in pool.hosts:
+                    node = hosts.get(host, NodeInfo(host, ()))
+                    hosts[host] = node._replace(partitions=tuple(dict.fromkeys((*node.partitions, part.name))),
+                                                gpus={**node.gpus, pool.gres: pool.gpus_per_node})
+        return list(hosts.values())
 
 
 _DAY = 86400
