@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import NamedTuple
 
 from slurmgpu.pipeline.queue import GpuLedger
-from slurmgpu.slurm.backend import parse_squeue
+from slurmgpu.slurm.backend import NodeInfo, parse_squeue
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -38,13 +37,8 @@ def test_no_node_large_enough_is_an_infinite_wait() -> None:
     assert ledger.wait("a100", 4) == 0.0  # nothing was booked
 
 
-class Node(NamedTuple):
-    name: str
-    partitions: tuple[str, ...]
-    gpus: dict[str, int]
-
-
-LOCAL = [Node("gpu1", ("gpu", "debug"), {"a100": 4, "v100": 4}), Node("gpu2", ("gpu-small", "debug"), {"t4": 4})]
+LOCAL = [NodeInfo("gpu1", ("gpu", "debug"), {"a100": 4, "v100": 4}),
+         NodeInfo("gpu2", ("gpu-small", "debug"), {"t4": 4})]
 
 
 def test_ledger_from_a_captured_queue() -> None:

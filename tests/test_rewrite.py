@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurmgpu.pipeline.policy import KEEP, ComponentChange, Decision
-from slurmgpu.pipeline.request import GPU_OPTIONS, build_request
+from slurmgpu.pipeline.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, apply, sbatch_quote
 from slurmgpu.pipeline.script import parse_script, tokenize
 
@@ -79,12 +79,7 @@ def test_rewrite_changes_only_gpu_and_partition_directives(data: bytes, gtype, t
     gpu_kinds = {d[0] for d in directives(data) if d[0] in GPU_OPTIONS}
     assert {d[0] for d in directives(new) if d[0] in GPU_OPTIONS} <= gpu_kinds
     # The decided values took effect.
-    if gtype is not None:
-        assert after.gpu_type == gtype
-    if total is not None:
-        assert after.gpus_total == total
-    if partition is not None:
-        assert after.main.partition == partition
+    assert_decided(after, gtype, total, partition)
     # Every original line is still there, in order, unless it held a GPU/partition option.
     touched = {d.line for d in request.script.directives if d.name in GPU_OR_PARTITION}
     kept = [ln for i, ln in enumerate(data.split(b"\n"), 1) if i not in touched]
@@ -163,22 +158,39 @@ edge_body_line = st.sampled_from(["srun x", "", "true\r# cr inside", "echo caf\u
 CLI_GPUS = [["--gres=gpu:2"], ["-G", "a100:2"], ["--gpus-per-node=v100:1"], ["--gpus", "4"]]
 
 
+def edge_script_bytes(draw: st.DrawFn, shebang: str, opts: list[str], body_lines: int) -> bytes:
+    """A script at the edges around these #SBATCH options, in any order, with free lines between
+    them, a body, and a final newline or none (the live test in test_slurm_gsbatch uses it too)."""
+    lines = [shebang]
+    for opt in draw(st.permutations(opts)):
+        if draw(st.booleans()):
+            lines.append(draw(edge_free_line))
+        lines.append("#SBATCH " + opt + draw(st.sampled_from(["", "  # trailing", "\t"])))
+    lines += draw(st.lists(edge_body_line, max_size=body_lines))
+    text = "\n".join(lines) + draw(st.sampled_from(["\n", ""]))
+    return text.encode("utf-8", "surrogateescape")
+
+
+def assert_decided(after: JobRequest, gtype: str | None, total: int | None, partition: str | None) -> None:
+    """The decided values took effect in the rewritten request."""
+    if gtype is not None:
+        assert after.gpu_type == gtype
+    if total is not None:
+        assert after.gpus_total == total
+    if partition is not None:
+        assert after.main.partition == partition
+
+
 @st.composite
 def edge_scripts(draw: st.DrawFn) -> tuple[bytes, list[str]]:
-    lines = ["#!/bin/bash" + draw(st.sampled_from(["", " -l"]))]
+    shebang = "#!/bin/bash" + draw(st.sampled_from(["", " -l"]))
     opts = draw(st.lists(st.one_of(other_directive, partition_directive), max_size=3))
     cli: list[str] = []
     if draw(st.booleans()):
         opts.append(draw(gpu_directive))
     else:
         cli = draw(st.sampled_from(CLI_GPUS))
-    for opt in draw(st.permutations(opts)):
-        if draw(st.booleans()):
-            lines.append(draw(edge_free_line))
-        lines.append("#SBATCH " + opt + draw(st.sampled_from(["", "  # trailing", "\t"])))
-    lines += draw(st.lists(edge_body_line, max_size=3))
-    text = "\n".join(lines) + draw(st.sampled_from(["\n", ""]))
-    return text.encode("utf-8", "surrogateescape"), cli
+    return edge_script_bytes(draw, shebang, opts, 3), cli
 
 
 def assert_only_changed_lines_differ(data: bytes, new: bytes, touched: dict[int, tuple[int, int]]) -> None:
@@ -231,12 +243,7 @@ def test_rewrite_is_byte_faithful_at_the_edges(case: tuple[bytes, list[str]], gt
     assert_only_changed_lines_differ(data, new, _touched_spans(request))
     after = build_request(parse_script(new, "job.sh"), sub.cli_words, sub.env_overrides)  # sbatch-acceptable
     assert new.split(b"\n")[0] == data.split(b"\n")[0]  # the shebang line is never touched
-    if gtype is not None:
-        assert after.gpu_type == gtype
-    if total is not None:
-        assert after.gpus_total == total
-    if partition is not None:
-        assert after.main.partition == partition
+    assert_decided(after, gtype, total, partition)
 
 
 PROVENANCE = (b"# slurmgpu: GPU request rewritten by the rules decider\n"

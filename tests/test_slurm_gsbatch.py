@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_rewrite import edge_body_line, edge_free_line
+from test_rewrite import edge_script_bytes
 
 from slurmgpu.apps import gsbatch
 from slurmgpu.pipeline.policy import ComponentChange, Decision
@@ -234,20 +234,13 @@ SLURM_OTHER_OPTIONS = ["-t 5", "-J 'a job'", "-c 1", "-N 1", "--comment='{{ not 
 
 @st.composite
 def live_edge_scripts(draw: st.DrawFn) -> tuple[bytes, list[str], bool]:
-    lines = ["#!/bin/bash"]
     opts = draw(st.lists(st.sampled_from(SLURM_OTHER_OPTIONS), max_size=3, unique=True))
     cli: list[str] = []
     if draw(st.booleans()):
         opts.append(draw(st.sampled_from(SLURM_GPU_OPTIONS)))
     else:
         cli = draw(st.sampled_from([["--gres=gpu:1"], ["-G", "a100:1"], ["--gpus-per-node=1"]]))
-    for opt in draw(st.permutations(opts)):
-        if draw(st.booleans()):
-            lines.append(draw(edge_free_line))
-        lines.append("#SBATCH " + opt + draw(st.sampled_from(["", "  # trailing", "\t"])))
-    lines += draw(st.lists(edge_body_line, max_size=2))
-    text = "\n".join(lines) + draw(st.sampled_from(["\n", ""]))
-    return text.encode("utf-8", "surrogateescape"), cli, draw(st.booleans())
+    return edge_script_bytes(draw, "#!/bin/bash", opts, 2), cli, draw(st.booleans())
 
 
 class MoveToT4:
