@@ -50,20 +50,17 @@ class PartitionRules(NamedTuple):
                 return f"partition {self.name} restricts groups and the user's are unknown"
             if not self.allow_groups & job.groups:
                 return f"user not in AllowGroups of partition {self.name}"
-        if self.allow_accounts is not None or self.deny_accounts:
-            if job.account is None:
-                return f"partition {self.name} restricts accounts and the job names none"
-            if self.allow_accounts is not None and job.account not in self.allow_accounts:
-                return f"account {job.account} not in AllowAccounts of partition {self.name}"
-            if job.account in self.deny_accounts:
-                return f"account {job.account} in DenyAccounts of partition {self.name}"
-        if self.allow_qos is not None or self.deny_qos:
-            if job.qos is None:
-                return f"partition {self.name} restricts QOS and the job names none"
-            if self.allow_qos is not None and job.qos not in self.allow_qos:
-                return f"QOS {job.qos} not in AllowQos of partition {self.name}"
-            if job.qos in self.deny_qos:
-                return f"QOS {job.qos} in DenyQos of partition {self.name}"
+        for label, plural, value, allow, deny, field in (
+                ("account", "accounts", job.account, self.allow_accounts, self.deny_accounts, "Accounts"),
+                ("QOS", "QOS", job.qos, self.allow_qos, self.deny_qos, "Qos")):
+            if allow is None and not deny:
+                continue
+            if value is None:
+                return f"partition {self.name} restricts {plural} and the job names none"
+            if allow is not None and value not in allow:
+                return f"{label} {value} not in Allow{field} of partition {self.name}"
+            if value in deny:
+                return f"{label} {value} in Deny{field} of partition {self.name}"
         if job.time_limit_min is not None and self.max_time_min is not None and job.time_limit_min > self.max_time_min:
             return f"time limit {job.time_limit_min} min exceeds MaxTime {self.max_time_min} min of {self.name}"
         if job.min_nodes is not None and self.max_nodes is not None and job.min_nodes > self.max_nodes:
