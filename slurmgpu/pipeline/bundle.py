@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from slurmgpu.pipeline.features import NUMERIC, HistoryStats
+from slurmgpu.pipeline.features import NUMERIC, HistoryStats, hexdigest
 
 BUNDLE_VERSION = 1
 MIB = 1024.0
@@ -207,6 +207,7 @@ class Bundle:
         if data.get("features") != list(NUMERIC):
             raise ModelFileError("model was trained with other features than this code builds (stale model): retrain")
         self.data = dict(data)
+        self._digest: str | None = None
         self.memory = TreeEnsemble(data.get("memory"), "memory")
         self.runtime = TreeEnsemble(data.get("runtime"), "runtime")
         history = _table(data.get("history"), "history")
@@ -224,13 +225,26 @@ class Bundle:
         if not 0.0 < self.quantile < 1.0:
             raise ModelFileError(f"quantile: must be between 0 and 1, got {self.quantile:g}")
 
+    @property
+    def digest(self) -> str:
+        """Which model made a decision (lineage): the first 12 hex digits of the sha256 of the
+        bundle file's bytes (what ``save`` writes), so a version is named the same everywhere."""
+        if self._digest is None:
+            self._digest = hexdigest("sha256", self._bytes())[:12]
+        return self._digest
+
+    def _bytes(self) -> bytes:
+        return json.dumps(self.data, separators=(",", ":")).encode()
+
     @classmethod
     def load(cls, path: str) -> Bundle:
         """Read and check a model file; any unreadable or malformed file raises OSError or ValueError."""
         with open(path, "rb") as fh:
             data = fh.read()
         try:
-            return cls(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
+            bundle = cls(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
+            bundle._digest = hexdigest("sha256", data)[:12]
+            return bundle
         except UnicodeDecodeError as exc:
             raise ModelFileError(f"not UTF-8 text at byte {exc.start}") from None
         except json.JSONDecodeError as exc:
@@ -242,7 +256,9 @@ class Bundle:
     def save(self, path: str) -> None:
         from slurmgpu.pipeline.spool import atomic_write
 
-        atomic_write(path, json.dumps(self.data, separators=(",", ":")).encode(), 0o644)
+        data = self._bytes()
+        atomic_write(path, data, 0o644)
+        self._digest = hexdigest("sha256", data)[:12]  # data may have changed since the last digest
 
     def predict(self, f: Mapping[str, float], family: str) -> Prediction:
         return self.predict_many([f], family)[0]
