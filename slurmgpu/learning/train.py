@@ -17,9 +17,9 @@ from sqlalchemy.engine import Engine
 
 from slurmgpu.history.db import GpuUsage, Job, Submission
 from slurmgpu.learning.censored import INF, memory_interval
-from slurmgpu.pipeline.bundle import BUNDLE_VERSION, Bundle, TreeEnsemble, analytic_base_mib, family_base_mib
+from slurmgpu.pipeline.bundle import BUNDLE_VERSION, Bundle, TreeEnsemble, memory_base_mib
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.features import HELD, NUMERIC, HistoryStats, job_features, script_features
+from slurmgpu.pipeline.features import HELD, NUMERIC, RATE, HistoryStats, job_features, script_features
 
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
@@ -85,19 +85,27 @@ class _Running:
 
     def __init__(self) -> None:
         self.fam: dict[str, dict[str, float]] = {}
+        self.archs: dict[str, list[str]] = {}  # architecture -> its families, in order first seen
 
     def snapshot(self) -> HistoryStats:
-        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()})
+        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()}, self.archs)
+
+    def now(self, script: Mapping[str, Any]) -> HistoryStats:
+        """The statistics a job's features read (its family and its architecture's), as of now."""
+        keys = [script["family"], *self.archs.get(script.get("arch") or "", ())]
+        return HistoryStats({k: self._family_view(self.fam[k]) for k in keys if k in self.fam}, self.archs)
 
     @staticmethod
     def _family_view(s: Mapping[str, float]) -> dict[str, Any]:
         # Numbers, but for "shapes": the "<count>x<type>" shapes the family ran on (a list of str).
         n, m = s["n"], s["m"]
-        view = {"n": n, "oom_rate": s["oom"] / n, "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
+        view = {"n": n, "oom_rate": s["oom"] / n, "params_b": s["params_b"],
+                "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
                 "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
-                **{k: v for k, v in s.items() if k.startswith(HELD)}}
+                **{k: v for k, v in s.items() if k.startswith(HELD)},
+                **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")}}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
             b = (s["tp"] - s["t"] * s["p"] / m) / var
@@ -106,21 +114,25 @@ class _Running:
                 view.update(a=a, b=b)
         return view
 
-    def family_now(self, key: str) -> dict[str, Any]:
-        s = self.fam.get(key)
-        return self._family_view(s) if s else {}
-
     def add(self, row: Mapping[str, Any]) -> None:
-        key = row["script"]["family"]
+        key, arch = row["script"]["family"], row["script"].get("arch")
+        if key not in self.fam and arch:
+            self.archs.setdefault(arch, []).append(key)
         s = self.fam.setdefault(key, dict.fromkeys(("n", "m", "oom", "lpmax", "ltmax", "lpsum", "t", "p", "tt",
                                                     "tp", "tmin", "pmin"), 0.0))
         s["n"] += 1
+        s["params_b"] = float(row["script"]["params_b"])
         s[f"shape:{row['gpus']}x{row['gpu_type']}"] = 1.0  # the GPU counts and types it ran on
         interval = memory_interval(row, row.get("card_gib", 0.0) * 1024)
         if interval is not None and interval[1] != INF and row.get("card_gib"):
             # "held:<GiB>:<GPUs>": the most tokens (log) a run of this family survived on GPUs that size
             held = f"{HELD}{row['card_gib']:g}:{row['gpus']}"
             s[held] = max(s.get(held, -INF), row["script"]["log_tokens"])
+        if row["state"] == "COMPLETED" and row.get("elapsed"):
+            shape = f"{row['gpus']}x{row['gpu_type']}"
+            rate = math.log(max(row["elapsed"], 1)) - row["script"]["log_steps"] - row["script"]["log_tokens"]
+            s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
+            s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
         elif row["peak"]:
@@ -163,11 +175,11 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
         while ended and ended[0][0] <= row["submit"]:
             running.add(heapq.heappop(ended)[2])
         gpu = _gpu(config, row["gpu_type"])
-        history = HistoryStats({row["script"]["family"]: running.family_now(row["script"]["family"])})
+        history = running.now(row["script"])
         request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"]}
         gpus = max(int(row["gpus"]), 1)
         f = job_features(row["script"], request, gpu, gpus, history)
-        base = family_base_mib(f, history.family(row["script"]["family"])) or analytic_base_mib(f)
+        base = memory_base_mib(f, row["script"], history)
         oom = gpu_oom(row, config)
         examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
         heapq.heappush(ended, (ended_at(row), seq, {**row, "state": "OUT_OF_MEMORY" if oom else row["state"],
@@ -227,7 +239,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": memory, "memory_source": source,
         "runtime": TreeEnsemble.from_catboost(m_run), "runtime_spread": spread,
-        "history": {"families": snapshot.families},
+        "history": {"families": snapshot.families, "archs": snapshot.archs},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
         "jobs": len(examples),
     })

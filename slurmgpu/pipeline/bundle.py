@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from slurmgpu.pipeline.features import NUMERIC, HistoryStats, hexdigest
+from slurmgpu.pipeline.features import NUMERIC, HistoryStats, hexdigest, measured
 
 BUNDLE_VERSION = 1
 MIB = 1024.0
@@ -149,7 +149,7 @@ def analytic_base_mib(f: Mapping[str, float]) -> float:
 def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float | None:
     """Per-family linear base a + b*tokens (b >= 0) from history; None without a measured peak
     (a history of outcomes alone: the analytic base then stands)."""
-    if not fam or fam.get("n", 0) < 1 or (fam.get("b", 0.0) <= 0 and fam.get("log_peak_max", 0.0) <= 0):
+    if not measured(fam):
         return None
     tokens = math.exp(f["log_tokens"])
     a, b = fam.get("a", 0.0), fam.get("b", 0.0)
@@ -159,6 +159,42 @@ def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float |
     # One batch size seen: scale the peak as if it all grew with tokens (a safe upper bound).
     peak, t0 = math.exp(fam["log_peak_max"]), math.exp(fam["log_tokens_at_max"])
     return peak * max(tokens / t0, 1.0) if t0 > 0 else peak
+
+
+def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, float]]) -> float | None:
+    """A model size never run, from the measured peaks of other sizes of the same architecture at
+    this job's batch and sequence: the line through (log size, log peak) of the sizes seen,
+    between the nearest sizes when the job's lies among them, else the least-squares line over
+    all of them (one size seen: its peak scaled as the analytic estimate scales between the sizes).
+    None when no sibling has a measured peak."""
+    points: dict[float, float] = {}
+    for fam in siblings:
+        base, size = family_base_mib(f, fam), fam.get("params_b", 0.0)
+        if base and size > 0:
+            points[size] = max(points.get(size, 0.0), base)
+    if not points:
+        return None
+    size = max(f["params_b"], 1e-6)
+    if len(points) == 1:
+        (s0, b0), = points.items()
+        return b0 * analytic_base_mib(f) / analytic_base_mib({**f, "params_b": s0})
+    xs = sorted(points)
+    lx, ly = [math.log(x) for x in xs], [math.log(points[x]) for x in xs]
+    x = math.log(size)
+    if lx[0] <= x <= lx[-1]:
+        i = max(j for j in range(len(lx) - 1) if lx[j] <= x)
+        t = (x - lx[i]) / (lx[i + 1] - lx[i])
+        return math.exp(ly[i] + t * (ly[i + 1] - ly[i]))
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    slope = sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
+    return math.exp(my + max(slope, 0.0) * (x - mx))
+
+
+def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: HistoryStats) -> float:
+    """The estimate the memory model's learned ratio multiplies (``base_kind`` in the features says
+    which): the family's own peaks, else its architecture's other sizes, else the analytic prior."""
+    return (family_base_mib(f, history.family(script["family"])) or arch_base_mib(f, history.siblings(script))
+            or analytic_base_mib(f))
 
 
 def _no_constant(name: str) -> float:
@@ -212,7 +248,13 @@ class Bundle:
         self.runtime = TreeEnsemble(data.get("runtime"), "runtime")
         history = _table(data.get("history"), "history")
         # Per-family history only: a bundle is world-readable, so it carries nothing per user.
-        self.history = HistoryStats(_stats(history.get("families"), "history.families"))
+        families = _stats(history.get("families"), "history.families")
+        archs = {}
+        for arch, members in _table(history.get("archs", {}), "history.archs").items():
+            if not all(isinstance(m, str) and m in families for m in _items(members, f"history.archs[{arch[:40]}]")):
+                raise ModelFileError(f"history.archs[{json.dumps(arch)[:40]}]: expected a list of family keys")
+            archs[arch] = list(members)
+        self.history = HistoryStats(families, archs)
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
@@ -260,12 +302,12 @@ class Bundle:
         atomic_write(path, data, 0o644)
         self._digest = hexdigest("sha256", data)[:12]  # data may have changed since the last digest
 
-    def predict(self, f: Mapping[str, float], family: str) -> Prediction:
-        return self.predict_many([f], family)[0]
+    def predict(self, f: Mapping[str, float], script: Mapping[str, Any]) -> Prediction:
+        return self.predict_many([f], script)[0]
 
-    def predict_many(self, rows: Sequence[Mapping[str, float]], family: str) -> list[Prediction]:
+    def predict_many(self, rows: Sequence[Mapping[str, float]], script: Mapping[str, Any]) -> list[Prediction]:
+        """Per-GPU peak and runtime of one job (``script``: its script_features) on several shapes."""
         xs = [[f[name] for name in NUMERIC] for f in rows]
-        fam = self.history.family(family)
-        bases = [family_base_mib(f, fam) or analytic_base_mib(f) for f in rows]
+        bases = [memory_base_mib(f, script, self.history) for f in rows]
         return [Prediction(base * math.exp(m), math.exp(r)) for base, m, r in
                 zip(bases, self.memory.predict_many(xs), self.runtime.predict_many(xs), strict=True)]

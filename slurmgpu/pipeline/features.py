@@ -29,6 +29,8 @@ MODEL_SIZES_B = {
 }
 _BY_LENGTH = sorted(MODEL_SIZES_B, key=len, reverse=True)
 _SIZE_IN_NAME = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*([bm])\b", re.IGNORECASE)
+# Size words in model names (bert-base/-large, gpt2-xl, vit-huge): siblings of one architecture.
+_SIZE_WORD = re.compile(r"(?<![a-z])(?:tiny|mini|small|base|medium|large|xl|xxl|huge|giant)(?![a-z])")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")
 _OPTION_VALUE = {
     "batch_size": ("--batch-size", "--batch_size", "--per_device_train_batch_size", "--train-batch-size",
@@ -59,7 +61,7 @@ SCRIPT_NUMERIC = ("params_b", "log_tokens", "batch_size", "seq_len", "precision_
                   "int8", "nproc", "log_steps")
 NUMERIC = ("req_gpus", "req_gpu_mem_gib", "gpus", "gpu_mem_gib", "gpu_speed", "params_b", "log_tokens",
            "batch_size", "seq_len", "precision_bits", "lora", "ckpt", "zero", "int8", "nproc", "log_steps",
-           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate")
+           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate", "base_kind")
 # No per-user features: the model bundle is readable by every user, so it carries no per-user
 # statistics (a user's job count or over-request ratio is that user's business alone).
 
@@ -151,6 +153,16 @@ def model_size_b(name: str | None, text: str) -> float:
     return 0.1
 
 
+def arch_key(model: str | None) -> str | None:
+    """The architecture a model name belongs to, its size taken out: resnet18 and resnet152,
+    llama-2-7b-hf and llama-2-70b-hf, bert-base and bert-large are each one architecture. A model
+    size never seen in history is estimated from its siblings' measured peaks (bundle.arch_base_mib)."""
+    if not model:
+        return None
+    name = _SIZE_WORD.sub("S", _SIZE_IN_NAME.sub("S", model.rsplit("/", 1)[-1].lower()))
+    return _NUMBER.sub("N", name)
+
+
 def _num(text: str | None, default: float) -> float:
     try:
         return float(text) if text is not None else default
@@ -176,6 +188,7 @@ def script_features(script: str) -> dict[str, Any]:
         "family": family_key(command),
         "launcher": next((w.rsplit("/", 1)[-1] for w in words if w.rsplit("/", 1)[-1] in LAUNCHERS), "other"),
         "model": (opts.get("model") or "").rsplit("/", 1)[-1].lower() or None,
+        "arch": arch_key(opts.get("model")),
         "params_b": model_size_b(opts.get("model"), command),
         "batch_size": batch,
         "seq_len": seq,
@@ -195,16 +208,27 @@ def script_features(script: str) -> dict[str, Any]:
 # Family statistic "held:<GiB>:<GPUs>": the most tokens per GPU (log) a run of the family survived
 # on that many GPUs of that size (learning/censored.py says which outcomes count).
 HELD = "held:"
+# Family statistic "rate:<GPUs>x<type>": the mean over its completed runs on that shape of log(elapsed
+# seconds / (steps x tokens)), its measured speed there; the decider compares shapes the family ran
+# on by these, not by the datasheet.
+RATE = "rate:"
 
 
 class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
-    def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None) -> None:
+    def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None,
+                 archs: Mapping[str, list[str]] | None = None) -> None:
         self.families = dict(families or {})
+        self.archs = dict(archs or {})  # architecture (arch_key) -> the families of its models
 
     def family(self, key: str) -> Mapping[str, float]:
         return self.families.get(key, {})
+
+    def siblings(self, script_feats: Mapping[str, Any]) -> list[Mapping[str, float]]:
+        """Statistics of the other families of the job's architecture (other sizes of its model)."""
+        arch, own = script_feats.get("arch"), script_feats["family"]
+        return [self.family(k) for k in self.archs.get(arch, ()) if k != own] if arch else []
 
     def held_bound_gib(self, key: str, log_tokens: float, gpus: int) -> float | None:
         """The smallest card (GiB) on which a run of family KEY with at least these tokens per GPU
@@ -217,6 +241,11 @@ class HistoryStats:
                 if int(count) <= gpus and float(most) >= log_tokens - 1e-9:
                     sizes.append(float(gib))
         return min(sizes, default=None)
+
+
+def measured(fam: Mapping[str, Any]) -> bool:
+    """Whether a family's statistics hold measured peaks (a linear fit, or at least one peak)."""
+    return bool(fam) and fam.get("n", 0) >= 1 and (fam.get("b", 0.0) > 0 or fam.get("log_peak_max", 0.0) > 0)
 
 
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],
@@ -239,6 +268,9 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
+        # What the memory estimate rests on (bundle.memory_base_mib): the family's own measured peaks
+        # (2), other sizes of its model (1), or the analytic prior alone (0).
+        "base_kind": 2.0 if measured(fam) else 1.0 if any(measured(s) for s in history.siblings(script_feats)) else 0.0,
     }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
+from slurmgpu.pipeline.features import RATE
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
@@ -34,6 +35,7 @@ class Candidate(NamedTuple):
     pred_peak_mem_mib: float
     pred_runtime_s: float
     expected_wait_s: float
+    margin: float = 0.0  # the fit test: pred_peak_mem_mib * (1 + margin) within the card
 
 
 class Decision(NamedTuple):
@@ -205,7 +207,7 @@ class ModelDecider:
         return rule._replace(reasons=(*rule.reasons, why), decider=self.name, per_type=per_type)
 
     def decide(self, request: JobRequest) -> Decision:
-        from slurmgpu.pipeline.features import job_features, script_features
+        from slurmgpu.pipeline.features import script_features
         from slurmgpu.pipeline.launch import launch_need
 
         rule = self.rules.decide(request)
@@ -221,9 +223,6 @@ class ModelDecider:
         sf = script_features(request.script.text)
         fam_n = self.bundle.history.family(sf["family"]).get("n", 0)
         policy = self.config.policy
-        if fam_n < policy.min_history:
-            return self._keep(rule, f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history}); "
-                                    "request kept")
         target = rule.changes[0].partition if rule.changes else None
         parts = [target] if target else (comp.partitions or [self.config.default_partition or ""])
         offered = [p for p in (self.config.partitions.get(n) for n in parts) if p]
@@ -235,44 +234,22 @@ class ModelDecider:
         fewest = need or req_total
         free = self.free_gpus() if self.wait is None else {}
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
-        options: list[tuple[GpuType, int, dict[str, float]]] = []
+        shapes: list[tuple[GpuType, int]] = []
         for part in offered:
             for gtype in part.gpu_types:
                 if gtype != req_type and not self._runs_there(sf, req_type, gtype):
                     continue
-                gt = self.config.gpu_types[gtype]
-                gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
                 counts = range(min(fewest, req_total), min(req_total, part.gpus_per_node) + 1) \
                     if comp.nodes == 1 else [req_total]
                 # only counts the user's unit can say: 3 GPUs over 2 tasks is no --gpus-per-task value
-                counts = [c for c in counts if c % comp.multiplier(comp.gpus[0].per) == 0]
-                options.extend((gt, c, job_features(sf, req, gpu, c, self.bundle.history)) for c in counts)
-        preds = self.bundle.predict_many([f for _, _, f in options], sf["family"])
-        # A type or count the family never ran on is a prediction from other families: doubt it more.
+                shapes.extend((self.config.gpu_types[gtype], c) for c in counts
+                              if c % comp.multiplier(comp.gpus[0].per) == 0)
         seen = set(self.bundle.history.family(sf["family"]).get("shapes", ())) | {f"{req_total}x{req_type}"}
-        asked_pred = next((p for (gt, c, _), p in zip(options, preds, strict=True)
-                           if (gt.name, c) == (req_type, req_total)), None)
-        table = []
-        for (gt, c, _), pred in zip(options, preds, strict=True):
-            known = f"{c}x{gt.name}" in seen
-            peak = pred.peak_mem_mib * (1.0 if known else self.unseen_penalty)
-            if known:
-                runtime = pred.runtime_s
-            elif asked_pred is None or req_type is None:
-                runtime = pred.runtime_s * self.unseen_penalty
-            else:
-                runtime = self._plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
-                                                  gt.name, c, min(need or req_total, req_total))
-            fits = peak * (1 + policy.memory_margin) <= gt.memory_gib * 1024
-            if getattr(self.bundle, "memory_source", "telemetry") == "outcomes":
-                # No measured peaks: only a card the family's outcomes show it holds on (or the
-                # request itself, where the estimate allows) counts as fitting.
-                held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], c)
-                asked_shape = c == req_total and (req_type is None or gt.name == req_type)
-                fits = (held is not None and held <= gt.memory_gib) or (asked_shape and fits)
-            table.append(Candidate(gt.name, c, fits, peak,
-                                   runtime, self._expected_wait(gt.name, c, free)))
+        table = self.candidates(sf, req, shapes, min(need or req_total, req_total), free)
         per_type = tuple(table)
+        if fam_n < policy.min_history:
+            return self._keep(rule, f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history}); "
+                                    "request kept", per_type)
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
         if not asked:
             return self._keep(rule, "model: the requested type/count is outside the configured partitions; "
@@ -292,7 +269,7 @@ class ModelDecider:
                    and self._in_time(c, baseline, comp.time_limit_s)]
         # What would make the request as asked fit (or how close it runs): part of the reason line.
         hint = self._fit_hint(request, sf, req, baseline, table, seen, offered) if not baseline.fits \
-            else _borderline(baseline, self.config.gpu_types[baseline.gpu_type], policy.memory_margin)
+            else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
         if not choices:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
                                     "request kept" + hint, per_type)
@@ -309,22 +286,61 @@ class ModelDecider:
                                  partition=partition if (target or partition != effective) else None)
         if not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
-                   f"{baseline.gpu_type} (with margin); {best.gpus} x {best.gpu_type} fits "
-                   f"({best.pred_peak_mem_mib / 1024:.1f} GiB){hint}")
+                   f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type} fits "
+                   f"({best.pred_peak_mem_mib / 1024:.1f} GiB, {best.margin:.0%} margin){hint}")
             return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
         why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} predicted to finish in "
                f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
                f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
                f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
-               f"{_borderline(best, self.config.gpu_types[best.gpu_type], policy.memory_margin)}")
+               f"{_borderline(best, self.config.gpu_types[best.gpu_type])}")
         return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
 
-    def _fits(self, peak_mib: float, gt: GpuType, family: str, log_tokens: float, gpus: int,
+    def candidates(self, sf: Mapping[str, Any], req: Mapping[str, Any], shapes: list[tuple[GpuType, int]],
+                   used: int, free: Mapping[str, int]) -> list[Candidate]:
+        """The table: predicted peak, runtime and wait of the job (script features ``sf``, normalised
+        request ``req``) on each shape, and whether it fits. ``used``: the fewest GPUs the launch uses."""
+        from slurmgpu.pipeline.features import job_features
+
+        policy = self.config.policy
+        req_type, req_total = req.get("gpu_type"), int(req.get("gpus_total") or 0)
+        rows = [job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, c,
+                             self.bundle.history) for gt, c in shapes]
+        preds = self.bundle.predict_many(rows, sf)
+        # A type or count the family never ran on is a prediction from other families: doubt it more.
+        fam = self.bundle.history.family(sf["family"])
+        seen = set(fam.get("shapes", ())) | {f"{req_total}x{req_type}"}
+        asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
+                           if (gt.name, c) == (req_type, req_total)), None)
+        asked_rate = fam.get(f"{RATE}{req_total}x{req_type}")
+        table = []
+        for (gt, c), pred in zip(shapes, preds, strict=True):
+            known = f"{c}x{gt.name}" in seen
+            rate = fam.get(f"{RATE}{c}x{gt.name}")
+            if asked_pred is not None and rate is not None and asked_rate is not None:
+                # The family ran both shapes: its own measured speed ratio (time per step and token).
+                runtime = asked_pred.runtime_s * math.exp(rate - asked_rate)
+            elif known:
+                runtime = pred.runtime_s
+            elif asked_pred is None or req_type is None:
+                runtime = pred.runtime_s * self.unseen_penalty
+            else:
+                runtime = self._plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
+                                                  gt.name, c, used)
+            margin = (1 + policy.memory_margin) * (1.0 if known else self.unseen_penalty) - 1
+            asked_shape = c == req_total and (req_type is None or gt.name == req_type)
+            table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
+                                   pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin))
+        return table
+
+    def _fits(self, peak_mib: float, margin: float, gt: GpuType, sf: Mapping[str, Any], gpus: int,
               asked_shape: bool) -> bool:
-        """The table's fit test for one shape (with the outcome bound where the bundle has no peaks)."""
-        fits = peak_mib * (1 + self.config.policy.memory_margin) <= gt.memory_gib * 1024
+        """The table's fit test for one shape: the predicted peak with its margin within the card.
+        Where the bundle has no measured peaks, only a card the family's outcomes show it holds on
+        (or the request itself, where the estimate allows) counts as fitting."""
+        fits = peak_mib * (1 + margin) <= gt.memory_gib * 1024
         if getattr(self.bundle, "memory_source", "telemetry") == "outcomes":
-            held = self.bundle.history.held_bound_gib(family, log_tokens, gpus)
+            held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
             fits = (held is not None and held <= gt.memory_gib) or (asked_shape and fits)
         return fits
 
@@ -338,19 +354,21 @@ class ModelDecider:
 
         gt = self.config.gpu_types[baseline.gpu_type]
         gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
-        family, hints = sf["family"], []
+        hints: list[str] = []
 
-        def peak(feats: Mapping[str, Any], gpus: int) -> float:
-            pred = self.bundle.predict(job_features(feats, req, gpu, gpus, self.bundle.history), family)
-            return float(pred.peak_mem_mib) * (1.0 if f"{gpus}x{gt.name}" in seen else self.unseen_penalty)
+        def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:
+            """Predicted peak and the margin its fit test uses (as in the table)."""
+            pred = self.bundle.predict(job_features(feats, req, gpu, gpus, self.bundle.history), feats)
+            doubt = 1.0 if f"{gpus}x{gt.name}" in seen else self.unseen_penalty
+            return float(pred.peak_mem_mib), (1 + self.config.policy.memory_margin) * doubt - 1
 
         batch = int(sf["batch_size"])
         words = main_command(command_lines(request.script.text if request.script else "")).split()
         if batch > 1 and "batch_size" in option_values(words):
             def at(b: int) -> tuple[bool, float]:
                 feats = {**sf, "batch_size": float(b), "log_tokens": math.log(max(b * float(sf["seq_len"]), 1.0))}
-                p = peak(feats, baseline.gpus)
-                return self._fits(p, gt, family, feats["log_tokens"], baseline.gpus, True), p
+                p, margin = peak(feats, baseline.gpus)
+                return self._fits(p, margin, gt, feats, baseline.gpus, True), p
 
             ok, low_peak = at(1)
             if ok:  # the prediction grows with the batch (near enough): the largest batch that still fits
@@ -374,8 +392,8 @@ class ModelDecider:
         if float(sf.get("zero", 0.0)) > 0 and request.main.nodes == 1:
             most = max((p.gpus_per_node for p in offered if gt.name in p.gpu_types), default=0)
             for k in range(baseline.gpus + 1, most + 1):
-                p = peak(sf, k)
-                if self._fits(p, gt, family, float(sf["log_tokens"]), k, False):
+                p, margin = peak(sf, k)
+                if self._fits(p, margin, gt, sf, k, False):
                     holds.append(f"{k} x {gt.name} with ZeRO sharding (predicted peak {p / 1024:.1f} GiB per GPU)")
                     break
         if holds:
@@ -383,9 +401,8 @@ class ModelDecider:
         return "; hint: " + "; ".join(hints) if hints else ""
 
     def predicted_peak_mib(self, request: JobRequest, gpu_type: str, gpus: int) -> float | None:
-        """The per-GPU peak the model predicts for this job on ``gpus`` x ``gpu_type`` (MiB, doubted
-        as in the table when the family never ran that shape), or None when the model has no say:
-        no script, a heterogeneous job, or too little history of the family."""
+        """The per-GPU peak the model predicts for this job on ``gpus`` x ``gpu_type`` (MiB), or None
+        when the model has no say: no script, a heterogeneous job, or too little history of the family."""
         from slurmgpu.pipeline.features import job_features, script_features
 
         if request.script is None or request.is_hetjob or gpu_type not in self.config.gpu_types:
@@ -399,9 +416,7 @@ class ModelDecider:
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(comp.gpu_type)}
         feats = job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus,
                              self.bundle.history)
-        seen = set(fam.get("shapes", ())) | {f"{comp.gpus_total}x{comp.gpu_type}"}
-        peak = float(self.bundle.predict(feats, sf["family"]).peak_mem_mib)
-        return peak * (1.0 if f"{gpus}x{gpu_type}" in seen else self.unseen_penalty)
+        return float(self.bundle.predict(feats, sf).peak_mem_mib)
 
     def _runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:
         """Whether the job may move to ``gpu_type`` at all (pipeline/hardware.py): a bf16 job never to
@@ -472,8 +487,9 @@ class ModelDecider:
 BORDERLINE = 0.15  # a fitting peak (with margin) this close to the card is worth a word
 
 
-def _borderline(c: Candidate, gt: GpuType, margin: float) -> str:
+def _borderline(c: Candidate, gt: GpuType) -> str:
     """A note when a fitting choice's predicted peak, with the margin, is within 15% of its card."""
+    margin = c.margin
     with_margin = c.pred_peak_mem_mib * (1 + margin) / 1024
     if not c.fits or with_margin < (1 - BORDERLINE) * gt.memory_gib or with_margin > gt.memory_gib:
         return ""
