@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,13 @@ from slurmgpu.simulation.workload import DEFAULT_CLUSTER, fits
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return demo.run(tmp_path_factory.mktemp("demo"), console=Console(file=open("/dev/null", "w")))
+    screen = io.StringIO()
+    out = demo.run(tmp_path_factory.mktemp("demo"), console=Console(file=screen, width=400))
+    return {**out, "screen": screen.getvalue()}
+
+
+def _plans(result: dict) -> list:
+    return [*result["plans"].items(), *result["outcomes"]["plans"].items()]
 
 
 def test_held_out_targets_on_generated_history(result: dict) -> None:
@@ -28,7 +36,7 @@ def test_every_rewrite_fits_the_true_memory_need(result: dict) -> None:
     by_script = {job.script: job for job in result["held_back"]}
     gres_to_catalog = {pool.gres: pool.gpu_type for part in DEFAULT_CLUSTER.partitions for pool in part.pools}
     changed = 0
-    for path, plan in result["plans"].items():
+    for path, plan in _plans(result):  # both models' decisions
         job = by_script.get(Path(path).read_text())
         if job is None or not plan.decision.changes:
             continue
@@ -40,6 +48,73 @@ def test_every_rewrite_fits_the_true_memory_need(result: dict) -> None:
         assert gpus >= 1
         changed += 1
     assert changed >= 1  # the demo shows at least one model decision
+
+
+def test_the_outcome_model_is_trained_on_the_same_rows_without_gpu_memory(result: dict) -> None:
+    """The second model never saw a peak: an outcome model, saved beside the first, not
+    registered and not installed; its held-out numbers are evaluate's on the same days."""
+    from sqlalchemy import select
+
+    from slurmgpu.history import db
+    from slurmgpu.history.db import ModelVersion
+    from slurmgpu.pipeline.bundle import Bundle
+
+    config, o = result["config"], result["outcomes"]
+    assert o["bundle"].memory_source == "outcomes"
+    assert Bundle.load(str(o["path"])).memory_source == "outcomes"
+    assert Bundle.load(config.site.model_path).memory_source == "telemetry"  # the installed one is not replaced
+    with db.make_engine(config.site.database_url).connect() as conn:
+        registered = conn.execute(select(ModelVersion.path, ModelVersion.active)).all()
+    assert registered and str(o["path"]) not in {p for p, _ in registered}
+    assert all(Bundle.load(p).memory_source == "telemetry" for p, active in registered if active)
+    m = o["metrics"]
+    assert m["memory_jobs"] == 0 and m["memory_under_prediction_rate"] is None  # no peak to score
+    assert m["runtime_jobs"] == result["metrics"]["runtime_jobs"] and m["runtime_mdape"] is not None
+    check = o["bound_check"]
+    assert check["jobs"] >= 100 and check["under"] == 0 and check["no_bound"] < check["jobs"]
+
+
+def test_without_gpu_memory_removes_only_the_gpu_memory() -> None:
+    rows = [{"job_id": "1", "state": "FAILED", "peak": 81920.0, "gpu_oom": True, "gpus": 2}]
+    assert demo.without_gpu_memory(rows) == [{"job_id": "1", "state": "FAILED", "peak": None, "gpu_oom": None,
+                                              "gpus": 2}]
+    assert rows[0]["peak"] == 81920.0  # the telemetry model's rows are untouched
+
+
+def test_outcome_decisions_stay_on_cards_the_family_held_on(result: dict) -> None:
+    """Every move the outcome model makes is to a card at least as large as one its family held
+    on at this many tokens per GPU or more, on as many GPUs or fewer."""
+    from slurmgpu.pipeline.features import script_features
+
+    config, o = result["config"], result["outcomes"]
+    new_runs = {p for p in result["plans"] if "/new-runs/" in p}
+    assert set(o["plans"]) == new_runs and len(new_runs) >= 5  # the same scripts, decided twice
+    for path, plan in o["plans"].items():
+        if not plan.decision.changes:
+            continue
+        change, comp = plan.decision.changes[0], plan.request.main
+        gtype, gpus = change.gpu_type or comp.gpu_type, change.gpus_total or comp.gpus_total
+        sf = script_features(Path(path).read_text())
+        held = o["bundle"].history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
+        assert held is not None and held <= config.gpu_types[gtype].memory_gib, (path, plan.decision.reasons)
+
+
+def test_the_demo_shows_both_models_side_by_side(result: dict) -> None:
+    """The output prints the numbers computed: both models' held-out runtime error, the
+    outcome model's source, and how many of the new runs' decisions differ."""
+    screen, o, m = result["screen"], result["outcomes"], result["metrics"]
+    assert any("with telemetry" in line and "outcomes only" in line for line in screen.splitlines())  # the header
+    assert 'memory_source "outcomes"' in screen and "not registered" in screen
+    assert f"runtime MdAPE {m['runtime_mdape']:.1%}" in screen
+    assert f"runtime MdAPE {o['metrics']['runtime_mdape']:.1%}" in screen
+    differ = sum((o["plans"][p].decision.changes, o["plans"][p].decision.refusal)
+                 != (result["plans"][p].decision.changes, result["plans"][p].decision.refusal) for p in o["plans"])
+    assert f"decisions that differ (GPU type, count, partition or refusal): {differ} of {len(o['plans'])}" in screen
+    assert o["differ"] == differ
+    side = screen[screen.index("5. the new runs"):]
+    for path in o["plans"]:  # a row per new run, each with both decisions
+        row = next(line for line in side.splitlines() if Path(path).name in line)
+        assert len(re.findall(r"kept:|refused|\d+ x \w+", row)) >= 2, row
 
 
 def test_examples_without_history_are_not_changed_by_the_model(result: dict) -> None:

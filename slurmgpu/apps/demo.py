@@ -5,6 +5,11 @@ collector records and batch scripts; ``slurmgpu ingest``'s loaders fill an embed
 store; submission records are dropped in the spool as gsbatch would; the models are trained and
 registered; and gsbatch plans (``--dry-run``) are shown for the example scripts and for new runs
 of families the history knows. Nothing is submitted.
+
+A second model is trained on the same rows with every GPU-memory measurement removed, as a site
+whose sacct has no ``gres/gpumem`` field and no collector sees its history: it learns memory from
+outcomes alone (``memory_source: "outcomes"``). It is saved beside the first, never registered or
+installed, and the new runs' decisions of both models are shown side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slurmgpu.apps.gsbatch import Invocation, plan
-from slurmgpu.apps.site import site_decider
+from slurmgpu.apps.site import local_decider, site_decider
 from slurmgpu.history import db, ingest
 from slurmgpu.learning import registry, train
 from slurmgpu.pipeline.config import load_config
@@ -86,6 +91,55 @@ class _AtTheCut(CliBackend):
         return {t: c - busy.get(t, 0) for n in self.nodes() for t, c in n.gpus.items()}
 
 
+def without_gpu_memory(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same history rows as a site without GPU telemetry has them: no measured per-GPU peak
+    (no ``gres/gpumem`` in sacct, no collector) and so no GPU OOM found in a job's stderr either;
+    sacct's own state (OUT_OF_MEMORY, FAILED, ...) and everything else stay."""
+    return [{**r, "peak": None, "gpu_oom": None} for r in rows]
+
+
+def bound_check(bundle: Any, test_rows: Sequence[dict[str, Any]], config: Any) -> dict[str, int]:
+    """The outcome model's memory rule against the peaks withheld from it, on held-out jobs of
+    families it knows (at least ``min_history`` jobs): per job, the smallest card its family held
+    on at this many tokens per GPU or more, on as many GPUs or fewer (``held_bound_gib``, what the
+    decider moves a job by). ``under``: that card is below the job's true need (its measured peak,
+    or, for a GPU OOM, more than the card it ran out on); ``no_bound``: no outcome covers the job
+    (only its request as written can count as fitting)."""
+    out = {"jobs": 0, "no_bound": 0, "under": 0}
+    for r in test_rows:
+        family = r["script"]["family"]
+        oom = train.gpu_oom(r, config)
+        if bundle.history.family(family).get("n", 0) < config.policy.min_history or not (r["peak"] or oom):
+            continue
+        out["jobs"] += 1
+        bound = bundle.history.held_bound_gib(family, r["script"]["log_tokens"], max(int(r["gpus"]), 1))
+        if bound is None:
+            out["no_bound"] += 1
+        elif oom:
+            card = config.gpu_types[r["gpu_type"]].memory_gib if r["gpu_type"] in config.gpu_types else 0.0
+            out["under"] += bound <= card
+        else:
+            out["under"] += bound * 1024 < r["peak"]
+    return out
+
+
+def _outcome(p: Any) -> str:
+    """A plan's decision in a few words, then its last reason."""
+    d = p.decision
+    if d.refusal:
+        return f"[red]refused[/red]: {d.refusal}"
+    if not d.changes:
+        return f"[green]kept[/green]: {d.reasons[-1]}"
+    c, comp = d.changes[0], p.request.main
+    gtype, gpus = c.gpu_type or comp.gpu_type or "any type", c.gpus_total or comp.gpus_total
+    where = f" in {c.partition}" if c.partition else ""
+    return f"[yellow]{gpus} x {gtype}{where}[/yellow]: {d.reasons[-1]}"
+
+
+def _pct(x: float | None, fmt: str = ".1%") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
 class History(NamedTuple):
     """The demo's generated month: what was submitted before the cut, what sacct holds at the cut
     (jobs that ended by then), and the next day's jobs, held back as new submissions."""
@@ -144,9 +198,29 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
     metrics = train.evaluate(bundle, train_rows, test_rows, config)
     bundle.data["metrics"] = metrics
     version = registry.register(engine, bundle, config.site.model_path or "", active=True)
-    console.print(f"[bold]3. train[/bold]: model version {version} on {len(train_rows)} jobs; last 5 days held out "
-                  f"({metrics['memory_jobs']} jobs): memory under-predicted on "
-                  f"{metrics['memory_under_prediction_rate']:.2%}, runtime MdAPE {metrics['runtime_mdape']:.1%}")
+    console.print(f"[bold]3. train[/bold] (with telemetry): model version {version} on {len(train_rows)} jobs; "
+                  f"last 5 days held out ({metrics['memory_jobs']} jobs): memory under-predicted on "
+                  f"{_pct(metrics['memory_under_prediction_rate'], '.2%')}, runtime MdAPE "
+                  f"{_pct(metrics['runtime_mdape'])} ({metrics['runtime_jobs']} jobs)")
+
+    # The same rows, as a site without GPU-memory telemetry has them; its model is not registered.
+    blind_train, blind_test = without_gpu_memory(train_rows), without_gpu_memory(test_rows)
+    outcomes, _ = train.fit(blind_train, config)
+    outcome_metrics = train.evaluate(outcomes, blind_train, blind_test, config)
+    outcomes.data["metrics"] = outcome_metrics
+    outcomes_path = out / "model-outcomes.json"
+    outcomes.save(str(outcomes_path))
+    check = bound_check(outcomes, test_rows, config)
+    memory = (f"memory under-predicted on {_pct(outcome_metrics['memory_under_prediction_rate'], '.2%')} "
+              f"({outcome_metrics['memory_jobs']} jobs)" if outcome_metrics["memory_jobs"]
+              else "no measured peaks to score its memory on")
+    console.print(f"   outcomes only: the same {len(blind_train)} jobs with every GPU-memory measurement removed "
+                  f"(no gres/gpumem, no collector) -> memory_source \"{outcomes.memory_source}\", saved as "
+                  f"{outcomes_path} (not registered); same held-out days: {memory}, runtime MdAPE "
+                  f"{_pct(outcome_metrics['runtime_mdape'])} ({outcome_metrics['runtime_jobs']} jobs); against the "
+                  f"withheld peaks of {check['jobs']} held-out jobs of known families, the smallest card their family "
+                  f"held on was below the true need for {check['under']} ({check['no_bound']} beyond any size held: "
+                  f"only the request as written can fit)")
 
     new_runs = out / "new-runs"
     new_runs.mkdir()
@@ -159,7 +233,8 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
         if len(seen) == 8:
             break
     env = {"SLURMGPU_CONFIG": str(config_path), "USER": "demo", "XDG_CACHE_HOME": str(out / "cache")}
-    decider = site_decider(config, _AtTheCut(history, generated.cut), env)
+    backend = _AtTheCut(history, generated.cut)
+    decider = site_decider(config, backend, env)
     table = Table(title="4. gsbatch --dry-run (model decider; nothing submitted)", show_lines=True)
     for col in ("script", "request", "decision", "why"):
         table.add_column(col, overflow="fold")
@@ -182,8 +257,29 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
             verdict, why = "[green]kept[/green]", p.decision.reasons[-1]
         table.add_row(os.path.relpath(path, ROOT), "; ".join(describe(c) for c in p.request.components), verdict, why)
     console.print(table)
+
+    # The new runs again, decided by the outcome model (gsbatch with SLURMGPU_MODEL set to it).
+    outcome_env = {**env, "SLURMGPU_MODEL": str(outcomes_path)}
+    outcome_decider = local_decider(config, backend, outcome_env, env["USER"])
+    side = Table(title="5. the new runs: model with telemetry vs model from outcomes only", show_lines=True)
+    for col in ("script", "with telemetry", "outcomes only"):
+        side.add_column(col, overflow="fold")
+    outcome_plans, differ = {}, 0
+    for path in sorted(new_runs.glob("*.sh")):
+        if str(path) not in plans:
+            continue
+        p = plans[str(path)]
+        o = plan(Invocation(script=str(path), flags=frozenset({"--dry-run"})), outcome_env, outcome_decider)
+        outcome_plans[str(path)] = o
+        differ += (o.decision.changes, o.decision.refusal) != (p.decision.changes, p.decision.refusal)
+        side.add_row(path.name, _outcome(p), _outcome(o))
+    console.print(side)
+    console.print(f"decisions that differ (GPU type, count, partition or refusal): {differ} of {len(outcome_plans)}")
     if shown is not None:
         console.print(f"\n[bold]gsbatch --dry-run {os.path.relpath(shown[0], ROOT)}[/bold] would submit:")
         console.print(shown[1], markup=False, highlight=False, soft_wrap=True)
-    console.print(f"\nTry it: SLURMGPU_CONFIG={config_path} .venv/bin/gsbatch --dry-run --explain SCRIPT")
-    return {"metrics": metrics, "plans": plans, "held_back": held_back, "config": config}
+    console.print(f"\nTry it: SLURMGPU_CONFIG={config_path} .venv/bin/gsbatch --dry-run --explain SCRIPT"
+                  f"\n  (the outcome model: SLURMGPU_MODEL={outcomes_path} before it)")
+    return {"metrics": metrics, "plans": plans, "held_back": held_back, "config": config,
+            "outcomes": {"bundle": outcomes, "path": outcomes_path, "metrics": outcome_metrics, "plans": outcome_plans,
+                         "bound_check": check, "differ": differ}}
