@@ -225,7 +225,7 @@ def _hostile_as_user(subs: str, good: dict[str, Any], scratch: str) -> dict[str,
         "surrogate": json.dumps(record("100", features={"s": "\ud800"})),
         "nul-cluster": json.dumps(record("100", cluster="c\u0000")),
         "bad-id": json.dumps(record("100") | {"record_id": "../../etc/passwd"}),
-        "version-2": json.dumps(record("100") | {"version": 2}),
+        "version-3": json.dumps(record("100") | {"version": 3}),
         "missing": json.dumps({k: v for k, v in record("100").items() if k != "decision"}),
         "list": "[1, 2, 3]",
         "binary": b"\xff\xfe\x00garbage",
@@ -304,7 +304,7 @@ def _hostile(site: Site, good: dict[str, Any], scratch: str) -> None:
                 "exit-str": "sbatch_exit: expected integer", "job-int": "job_id: expected string",
                 "deep": "not JSON", "nan": "NaN is not allowed", "huge-float": "out of range",
                 "surrogate": "lone surrogate", "nul-cluster": "NUL character", "bad-id": "record_id: expected",
-                "version-2": "version: expected 1", "missing": "decision: missing", "binary": "not JSON"}
+                "version-3": "version: expected 1 or 2", "missing": "decision: missing", "binary": "not JSON"}
     for key, fragment in expected.items():
         assert fragment in reasons[names[key]], (key, reasons[names[key]])
     assert f"of user {USER}, but the file belongs to {OTHER}" in reasons[names["forged"]]

@@ -205,12 +205,12 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
 
         problem = check_plan(reply["plan"], config, text, inv.options)
         if problem is None:
-            return dict(reply["plan"], stdin=None)
+            return dict(reply["plan"], stdin=None, script_data=data)
         from slurmgpu.pipeline.policy import KeepDecider
 
         _note(sys.stderr, "warning", f"slurmgpu serve's answer not applied ({problem}); request kept as written")
         kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"))
-        return dict(kept.to_json(), stdin=kept.stdin)
+        return dict(kept.to_json(), stdin=kept.stdin, script_data=data)
     return None
 
 
@@ -353,6 +353,7 @@ def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Ma
             PERSONAL_SPOOL,
             ensure_personal_spool,
             new_record,
+            script_text,
             submission_spool,
             write_record,
         )
@@ -362,9 +363,13 @@ def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Ma
         fields = p["record"]
         if directory.startswith(os.path.expanduser(PERSONAL_SPOOL)):
             ensure_personal_spool(directory)
+        data = p.get("script_data")
         write_record(directory, new_record(
             cluster=site.cluster if site else None, job_id=result.job_id, sbatch_exit=result.code,
             script_sha256=fields["script_sha256"],
+            # the text only when its bytes are the ones hashed (the plan's hash is of the same bytes)
+            script_text=script_text(data) if fields["script_sha256"] and isinstance(data, bytes) else None,
+            source="gsbatch", model_version=model_version(p),
             features={"script": fields["script_features"],
                       "script_name": os.path.basename(inv.script) if inv.script else None,
                       "sbatch_options": list(inv.options), "wrap": inv.wrap},
@@ -372,6 +377,15 @@ def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Ma
     except Exception as exc:  # noqa: BLE001 - the job is in; the record is a nicety
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else _fault(exc)
         _note(sys.stderr, "warning", f"submission record not written to {directory}: {why}")
+
+
+def model_version(p: Mapping[str, Any]) -> str | None:
+    """The model bundle's digest (Bundle.digest) when the model decided, else None (rules, keep)."""
+    decision = p.get("decision")
+    value = p.get("model_version")
+    if not isinstance(decision, dict) or decision.get("decider") != "model" or not isinstance(value, str):
+        return None
+    return value if len(value) == 12 and all(c in "0123456789abcdef" for c in value) else None
 
 
 def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, backend: SlurmBackend,
@@ -396,6 +410,9 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     made = p.to_json()
     made["stdin"] = p.stdin
     made["original_text"] = p.request.script.text if p.request and p.request.script else ""
+    made["script_data"] = p.request.script.data if p.request and p.request.script else None
+    bundle = getattr(decider, "bundle", None)  # the model decider's: which version decided (lineage)
+    made["model_version"] = getattr(bundle, "digest", None) if p.decision.decider == "model" else None
     return made
 
 

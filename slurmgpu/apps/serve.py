@@ -66,6 +66,7 @@ import logging
 import math
 import os
 import pwd
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -76,7 +77,9 @@ from slurmgpu import __version__
 from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, call  # noqa: F401 - re-exported
 from slurmgpu.pipeline.bundle import Bundle  # imported here, as root: after --run-as the install may be unreadable
 from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.decision_tag import decision_tag, new_decision_id
 from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.features import hexdigest, script_features
 from slurmgpu.pipeline.modes import ADVISE, Resolution, advised, resolve, waived
 
 try:  # a long-running daemon can afford numpy: it evaluates all candidate types in one pass
@@ -89,12 +92,14 @@ from slurmgpu.pipeline.queue import GpuLedger
 from slurmgpu.pipeline.request import GPU_OPTIONS, ComponentRequest, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.pipeline.script import encode, parse_script
+from slurmgpu.pipeline.spool import SOURCES, new_record, script_text, write_record
 from slurmgpu.slurm.partitions import JobAccess, PartitionRules, nodelist_of, user_groups
 
 FREE_GPUS_EVERY_S = 10.0
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
 
 log = logging.getLogger("slurmgpu.apps.serve")
+hexdigest("sha256", b"")  # loads the hash module now, as root: after --run-as the install may be unreadable
 
 # job_desc field -> the sbatch option that fills it (--gpus-per-node also lands in tres_per_node)
 TRES_FIELDS = {"tres_per_node": "gres", "tres_per_job": "gpus", "tres_per_task": "gpus-per-task",
@@ -238,6 +243,107 @@ class ModelState(NamedTuple):
     sha256: str | None = None
     mtime: float | None = None
     error: str | None = "not loaded"
+    digest: str | None = None  # Bundle.digest of the file's bytes: the model version decisions record
+
+
+class DecisionRecords:
+    """The hook's decisions as submission records (source "lua") in the submission spool, for the
+    ingest: the same drop box and format as gsbatch's records. The daemon runs as the nightly account
+    (``render serve``: ``--run-as slurmgpu``) or root, whose records the ingest trusts to name the job's
+    user; it learnt that user from slurmctld (``job_desc.user_id``), never from the request.
+
+    The request path only queues; a thread builds and writes each record (script features, the
+    hash, an fsync'd file), so a slow disk never holds slurmctld. A full queue drops records
+    (counted, logged), never a request. The job id is not known yet when slurmctld asks: a model
+    decision carries a decision id, and its tag in the job's comment links the job to the record."""
+
+    MAX_QUEUED = 10_000
+
+    def __init__(self, directory: str, cluster: str | None) -> None:
+        self.directory, self.cluster = directory, cluster
+        self.pending: queue.Queue[tuple[dict[str, Any], Mapping[str, Any], JobRequest, Who] | None] = \
+            queue.Queue(self.MAX_QUEUED)
+        self.written = self.dropped = self.failed = 0
+        self.last_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def add(self, decision: dict[str, Any], job: Mapping[str, Any], request: JobRequest,
+            who: Who) -> dict[str, Any]:
+        """Queue the decision's record; returns the reply with the decision id and, where the hook
+        should put it in the job's comment, the tag (model decisions it applies, as gsbatch tags)."""
+        if who.name is None and who.uid is None:
+            return decision  # nobody to attribute it to: not recorded
+        out = {**decision, "id": new_decision_id()}
+        if out.get("decider") == "model" and out.get("mode") != ADVISE and not out.get("waiver") \
+                and not out.get("refused"):
+            main = request.main
+            out["tag"] = decision_tag(out, out["id"], main.gpu_type, main.gpus_total)
+        self._start()
+        try:
+            self.pending.put_nowait((out, dict(job), request, who))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("decision records dropped: %d (the spool %s is not keeping up)", self.dropped,
+                            self.directory)
+        return out
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="slurmgpu-records", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.pending.get()
+            try:
+                if item is None:
+                    return
+                self.write(*item)
+            finally:
+                self.pending.task_done()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued record is written (or given up); True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.pending.unfinished_tasks
+
+    def record(self, decision: Mapping[str, Any], job: Mapping[str, Any], request: JobRequest,
+               who: Who) -> dict[str, Any]:
+        """The spool record of one decision (built here, in the writer thread)."""
+        script = request.script
+        data = script.data if script is not None else None
+        features = None
+        if script is not None:
+            try:
+                features = script_features(script.text)
+            except ValueError:
+                features = None
+        fields = {k: v for k, v in job.items() if k != "script" and isinstance(v, str | int | float | bool)}
+        return new_record(
+            cluster=self.cluster, job_id=None, sbatch_exit=None, source=SOURCES[1],
+            user=who.name if who.name is not None else str(who.uid), uid=who.uid,
+            script_sha256=hexdigest("sha256", data) if data is not None else None, script_text=script_text(data),
+            model_version=decision.get("model_version"),
+            features={"script": features, "script_name": job.get("name") if isinstance(job.get("name"), str) else None,
+                      "job": fields},
+            original_request=request.to_json(), decision={k: v for k, v in decision.items() if k != "tag"},
+            changed=bool(decision.get("apply")))
+
+    def write(self, decision: Mapping[str, Any], job: Mapping[str, Any], request: JobRequest, who: Who) -> None:
+        try:
+            write_record(self.directory, self.record(decision, job, request, who))
+            self.written += 1
+        except Exception as exc:  # noqa: BLE001 - a record is never worth a request; say so, carry on
+            self.failed += 1
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            if why != self.last_error or self.failed % 1000 == 0:
+                log.warning("decision record not written to %s: %s (%d so far)", self.directory, why, self.failed)
+            self.last_error = why
 
 
 class Service:
@@ -246,8 +352,11 @@ class Service:
     def __init__(self, config: Config, model_path: str | None = None,
                  free_gpus: Callable[[], Mapping[str, int]] | None = None, reload_s: float = 2.0,
                  partitions: Callable[[], Mapping[str, PartitionRules]] | None = None,
-                 queue: Callable[[], GpuLedger] | None = None) -> None:
+                 queue: Callable[[], GpuLedger] | None = None, record_spool: str | None = None) -> None:
         self.config, self.reload_s = config, reload_s
+        # Decisions made for slurmctld's hook go as spool records into ``record_spool`` (lineage), written
+        # by a background thread off the request path; None records nothing.
+        self.records = DecisionRecords(record_spool, config.site.cluster) if record_spool else None
         # The queue view (expected wait per type and count); None until read: idle GPUs then.
         self.fetch_queue = queue
         self.ledger: tuple[GpuLedger, float] | None = None  # and when it was read (monotonic)
@@ -290,7 +399,8 @@ class Service:
             log.error("model %s unusable (%s); %s", self.model_path, exc,
                       "keeping the loaded one" if self.model.bundle else "requests are kept as written")
             return False
-        self.model = ModelState(bundle, signature, hashlib.sha256(data).hexdigest()[:16], st.st_mtime, None)
+        full = hashlib.sha256(data).hexdigest()
+        self.model = ModelState(bundle, signature, full[:16], st.st_mtime, None, full[:12])
         log.info("model %s loaded (sha256 %s, %s jobs)", self.model_path, self.model.sha256, bundle.data.get("jobs"))
         return True
 
@@ -359,14 +469,19 @@ class Service:
                              name="slurmgpu-watch", daemon=True).start()
 
     def decider(self, who: Who) -> Decider:
+        return self.versioned_decider(who)[0]
+
+    def versioned_decider(self, who: Who) -> tuple[Decider, str | None]:
+        """The decider for this request and the model version (Bundle.digest) it decides with, if any."""
         if self.fixed is not None and self.fixed.name == "keep":
-            return self.fixed
+            return self.fixed, None
         if self.fixed is not None:
-            return make_decider(self.config, admits=self.admits(who))
-        bundle = self.model.bundle
-        if bundle is None:
-            return KeepDecider(f"model unusable ({self.model.error}); request kept")
-        return make_decider(self.config, bundle, lambda: self.free, who.name, self.admits(who), self._wait())
+            return make_decider(self.config, admits=self.admits(who)), None
+        model = self.model  # read once: a reload meanwhile cannot pair one bundle with another's digest
+        if model.bundle is None:
+            return KeepDecider(f"model unusable ({model.error}); request kept"), None
+        return (make_decider(self.config, model.bundle, lambda: self.free, who.name, self.admits(who), self._wait()),
+                model.digest)
 
     def _wait(self) -> Callable[[str, int], float] | None:
         """Expected wait from the last queue view, aged by the time since it was read."""
@@ -375,24 +490,33 @@ class Service:
         ledger, read_at = self.ledger
         return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=time.monotonic() - read_at)
 
-    def decide(self, job: Mapping[str, Any], who: Who | None = None) -> dict[str, Any]:
-        """The reply to a decide request (raises InputError for an unreadable job)."""
+    def decide(self, job: Mapping[str, Any], who: Who | None = None, record: bool = False) -> dict[str, Any]:
+        """The reply to a decide request (raises InputError for an unreadable job). ``record``: the
+        decision goes into the spool (when this daemon records), and a model decision the hook
+        applies carries a decision tag for the job's comment, which links the job to the record."""
+        who = who or identify(job, None)
         request = job_request(job, self.features)
         script = request.script
+        version = None
         if request.is_hetjob:
             decision = KeepDecider("heterogeneous job: its components reach the hook one by one; "
                                    "request kept").decide(request)
         elif script is not None and script.keep_marker:
             decision = KeepDecider(script.keep_reason).decide(request)
         else:
-            decision = self.decider(who or identify(job, None)).decide(request)
+            decider, version = self.versioned_decider(who)
+            decision = decider.decide(request)
         try:
             apply = apply_fields(request, decision)
         except RewriteError as exc:
             decision = decision._replace(changes=(), reasons=(*decision.reasons, f"not applied: {exc}"))
             apply = {}
         out = {**decision.to_json(), "request": describe(request.main), "apply": apply}
-        return self.moderated(out, job, request, who or identify(job, None))
+        out = self.moderated(out, job, request, who)
+        out["model_version"] = version if out.get("decider") == "model" else None
+        if record and self.records is not None:
+            out = self.records.add(out, job, request, who)
+        return out
 
     def resolution(self, who: Who, account: Any, partition: Any,
                    script_text: str | None) -> tuple[Resolution, str | None]:
@@ -434,6 +558,9 @@ class Service:
             "partitions": None if self.fetch_partitions is None else {
                 "read": self.partitions is not None, "names": sorted(self.partitions or ()),
                 "error": self.partitions_error},
+            "records": None if self.records is None else {
+                "spool": self.records.directory, "written": self.records.written, "dropped": self.records.dropped,
+                "failed": self.records.failed, "error": self.records.last_error},
             "model": None if self.model_path is None else {
                 "path": self.model_path, "loaded": bundle is not None, "sha256": m.sha256,
                 "mtime": datetime.fromtimestamp(m.mtime, UTC).isoformat() if m.mtime else None,
@@ -459,7 +586,8 @@ class Service:
                 raise InputError(f"unknown op {op!r} (expected 'decide', 'plan' or 'health')")
             if not isinstance(message.get("job"), dict):
                 raise InputError("'job' must be an object")
-            decision = self.decide(message["job"], who)
+            # recorded as the hook's decision only when slurmctld asks (or an in-process caller)
+            decision = self.decide(message["job"], who, record=peer is None or peer.trusted)
         except (InputError, ValueError, UnicodeError, RecursionError) as exc:
             self._log(who, t0, error=str(exc))
             return {"ok": False, "error": str(exc)}
@@ -476,7 +604,7 @@ class Service:
                   mode=decision.get("mode", "rewrite"))
         return {"ok": True, "decision": decision}
 
-    def plan(self, message: Mapping[str, Any], who: Who | None = None) -> Plan:
+    def plan(self, message: Mapping[str, Any], who: Who | None = None, decider: Decider | None = None) -> Plan:
         """The plan gsbatch would make in its own process for the same script, options and
         SBATCH_* variables (raises InputError for the user's input, ValueError for a bad request)."""
         config = message.get("config")
@@ -490,12 +618,19 @@ class Service:
             raise ValueError("plan: script and script_name must be strings or null, options a list of "
                              "strings, env an object of SBATCH_* strings")
         script = parse_script(text.encode("utf-8", "surrogateescape"), name or "<stdin>") if text is not None else None
-        return make_plan(script, options, env, self.decider(who or identify(message, None)), self.features)
+        return make_plan(script, options, env, decider or self.decider(who or identify(message, None)), self.features)
+
+    def versioned_plan(self, message: Mapping[str, Any], who: Who) -> tuple[Plan, str | None]:
+        """``plan`` and the model version (Bundle.digest) it was decided with, which gsbatch puts in its
+        own submission record (the daemon records no plan: gsbatch does)."""
+        decider, version = self.versioned_decider(who)
+        made = self.plan(message, who, decider)
+        return made, version if made.decision.decider == "model" else None
 
     def plan_reply(self, message: Mapping[str, Any], t0: float, who: Who) -> dict[str, Any]:
         """A plan request to its reply: the user's input errors travel back to be printed by gsbatch."""
         try:
-            made = self.plan(message, who)
+            made, version = self.versioned_plan(message, who)
         except InputError as exc:
             self._log(who, t0, error=str(exc))
             return {"ok": False, "input_error": str(exc)}
@@ -515,7 +650,7 @@ class Service:
                 result = "advised"
         self._log(who, t0, request=describe(made.request.main) if made.request else "-", result=result,
                   decider=decision.decider, mode=mode)
-        return {"ok": True, "plan": made.to_json()}
+        return {"ok": True, "plan": {**made.to_json(), "model_version": version}}
 
     @staticmethod
     def _log(who: Who, t0: float, **fields: str) -> None:

@@ -364,3 +364,5 @@ def run(server: Server, run_as: str | None = None) -> None:
     finally:
         server.service.stopped.set()
         server.server_close()
+        if server.service.records is not None and not server.service.records.flush():
+            log.warning("decision records still queued at exit were not written")

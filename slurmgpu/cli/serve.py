@@ -151,9 +151,12 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     try:
         access = serve_socket.access_for(group, slurm_user, run_as)
         backend = CliBackend()
+        # The hook's decisions are recorded in the site's submission spool (lineage), when there is one.
+        spool = os.environ.get("SLURMGPU_SUBMISSION_SPOOL") or config.site.submission_spool
         service = serve.Service(config, model or model_path(config, os.environ), backend.free_gpus, reload_s,
                                 partitions=read_partitions,
-                                queue=lambda: GpuLedger.from_queue(backend.nodes(), backend.queue()))
+                                queue=lambda: GpuLedger.from_queue(backend.nodes(), backend.queue()),
+                                record_spool=os.path.expanduser(spool) if spool else None)
         server = serve_socket.Server(socket_path, service, access, file_mode)
     except (InputError, OSError) as exc:
         fail(exc)

@@ -26,6 +26,7 @@ from sqlalchemy import (
     create_engine,
     event,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -141,8 +142,27 @@ class Submission(Base):
     decision: Mapped[Any] = mapped_column(JSON)
     changed: Mapped[bool] = mapped_column(Boolean, default=False)
     decision_id: Mapped[str | None] = mapped_column(String(12), index=True)  # in the job's comment tag too
+    # Lineage (migration 0003): who decided ("gsbatch", or "lua": the daemon for slurmctld's hook), with
+    # which decider ("model", "rules", "keep") and model bundle (Bundle.digest; None for rules and keep).
+    # The script's text, when the record carried it, is in job_scripts under script_sha256.
+    source: Mapped[str | None] = mapped_column(String(16))
+    decider: Mapped[str | None] = mapped_column(String(24))
+    model_version: Mapped[str | None] = mapped_column(String(12), index=True)
     model_version_id: Mapped[int | None] = mapped_column(ForeignKey("model_versions.id", ondelete="SET NULL"))
-    model_version: Mapped[ModelVersion | None] = relationship()
+    registered_version: Mapped[ModelVersion | None] = relationship()
+
+
+SCRIPT_TEXT = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")  # MariaDB's TEXT stops at 64 KiB
+
+
+class JobScript(Base):
+    """Each batch script once, by the sha256 of its bytes (submissions.script_sha256 names it)."""
+
+    __tablename__ = "job_scripts"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    text: Mapped[str] = mapped_column(SCRIPT_TEXT)
+    first_seen: Mapped[datetime] = mapped_column(DateTime)  # the first stored submission's time
 
 
 class ModelVersion(Base):
@@ -161,6 +181,7 @@ class ModelVersion(Base):
     features: Mapped[Any] = mapped_column(JSON)
     metrics: Mapped[Any] = mapped_column(JSON)
     active: Mapped[bool] = mapped_column(Boolean, default=False)
+    digest: Mapped[str | None] = mapped_column(String(12), index=True)  # Bundle.digest: what decisions record
 
 
 class IngestState(Base):

@@ -25,9 +25,10 @@ from sqlalchemy import ColumnElement, Insert, Table, or_, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
-from slurmgpu.history.db import GpuUsage, IngestState, Job, Submission, utcnow
+from slurmgpu.history.db import GpuUsage, IngestState, Job, JobScript, ModelVersion, Submission, utcnow
 from slurmgpu.pipeline.decision_tag import DECISION_ID, parse_tag
-from slurmgpu.pipeline.spool import RECORD_VERSION
+from slurmgpu.pipeline.features import hexdigest
+from slurmgpu.pipeline.spool import MAX_RECORD_BYTES, MAX_SCRIPT_BYTES, READ_VERSIONS, SOURCES
 from slurmgpu.slurm import sacct
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class Report:
         self.files_duplicate = 0  # already stored: removed
         self.files_unreadable: list[str] = []  # this account may not read them: left, a set-up problem
         self.files_kept: list[str] = []  # loaded, but this account may not remove them
+        self.decisions_linked = 0  # the Lua hook's decisions given their job (by the tag in its comment)
 
     def summary(self) -> str:
         text = (f"{self.inserted} jobs inserted, {self.updated} updated, {self.unchanged} unchanged, "
@@ -67,6 +69,8 @@ class Report:
                 text += f", {self.files_waiting} waiting for their job in sacct"
             if self.files_unreadable:
                 text += f", {len(self.files_unreadable)} unreadable by this account"
+        if self.decisions_linked:
+            text += f"; {self.decisions_linked} hook decisions linked to their job"
         return text
 
 
@@ -238,7 +242,6 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
 # the others out: rows are stored in batches, and a batch the database refuses is retried one
 # record per transaction.
 
-MAX_RECORD_BYTES = 1 << 20
 JOB_WAIT = timedelta(hours=24)  # a record whose job sacct never showed is set aside after this
 BATCH_FILES = 256
 BATCH_BYTES = 16 << 20
@@ -246,6 +249,9 @@ _JOB_ID = re.compile(r"\d{1,10}(?:[_+]\d{1,10})?")  # as sbatch prints it
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"[0-9a-f]{12}")  # Bundle.digest
+_DECIDER = re.compile(r"[a-z][a-z0-9.-]{0,23}")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}")  # a login name, or a uid without one
 _MAX_DEPTH = 32
 
 
@@ -395,8 +401,10 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         raise ValueError(f"not JSON: {str(exc)[:120]}") from None
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
-    if data.get("version") != RECORD_VERSION or isinstance(data.get("version"), bool):
-        raise ValueError(f"version: expected {RECORD_VERSION}, got {json.dumps(data.get('version'))[:20]}")
+    version = data.get("version")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise ValueError(f"version: expected {' or '.join(map(str, READ_VERSIONS))}, "
+                         f"got {json.dumps(version)[:20]}")
     _check_json(data, "record")
     submitted = _field(data, "submitted_at", (str,))
     try:
@@ -411,7 +419,7 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
     exit_code = _field(data, "sbatch_exit", (int,), nullable=True)
     if exit_code is not None and not -(2**31) < exit_code < 2**31:
         raise ValueError("sbatch_exit: out of range")
-    return {
+    row = {
         "record_id": _field(data, "record_id", (str,), pattern=_RECORD_ID),
         "cluster": _field(data, "cluster", (str,), nullable=True, pattern=_NAME) or "default",
         "job_id": _field(data, "job_id", (str,), nullable=True, pattern=_JOB_ID),
@@ -424,7 +432,41 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         "decision": _field(data, "decision", (dict,), nullable=True),
         "changed": _field(data, "changed", (bool,)),
         "decision_id": _decision_id(data.get("decision")),
+        "source": SOURCES[0], "decider": _decider(data.get("decision")), "model_version": None, "script_text": None,
     }
+    if version >= 2:
+        row.update(_lineage(data, row["script_sha256"]))
+    return row
+
+
+def _lineage(data: dict[str, Any], sha: str | None) -> dict[str, Any]:
+    """A version-2 record's lineage fields. The script text must hash to the record's script_sha256
+    (so one sha256 never names two texts), and only the daemon's records name a user (their file's
+    owner is the daemon, which the admission step checks)."""
+    source = _field(data, "source", (str,))
+    if source not in SOURCES:
+        raise ValueError(f"source: expected {' or '.join(SOURCES)}, got {json.dumps(source)[:40]}")
+    text = _field(data, "script_text", (str,), nullable=True)
+    if text is not None:
+        raw = text.encode("utf-8")
+        if len(raw) > MAX_SCRIPT_BYTES:
+            raise ValueError(f"script_text: {len(raw)} bytes, over the {MAX_SCRIPT_BYTES}-byte limit")
+        if sha is None:
+            raise ValueError("script_text: given without script_sha256")
+        if hexdigest("sha256", raw) != sha:
+            raise ValueError(f"script_text: its sha256 is {hexdigest('sha256', raw)[:12]}..., "
+                             f"not the record's script_sha256 {sha[:12]}...")
+    out: dict[str, Any] = {"source": source, "script_text": text,
+                           "model_version": _field(data, "model_version", (str,), nullable=True, pattern=_DIGEST)}
+    if source == "lua":
+        out["user"] = _field(data, "user", (str,), pattern=_USER)
+    return out
+
+
+def _decider(decision: Any) -> str | None:
+    """The decider the record's decision names ("model", "rules", "keep"), if well-formed."""
+    value = decision.get("decider") if isinstance(decision, dict) else None
+    return value if isinstance(value, str) and _DECIDER.fullmatch(value) else None
 
 
 def _decision_id(decision: Any) -> str | None:
@@ -506,7 +548,8 @@ def _linked(f: SpoolFile, cluster: str, job_id: str | None, users: dict[tuple[st
 
 
 _SUBMISSION_COLUMNS = ("record_id", "cluster", "job_id", "user", "submitted_at", "script_sha256", "sbatch_exit",
-                       "features", "original_request", "decision", "changed", "decision_id")
+                       "features", "original_request", "decision", "changed", "decision_id", "source", "decider",
+                       "model_version")
 
 
 def _stored_submissions(conn: Connection, ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -529,6 +572,13 @@ def _admit_submissions(conn: Connection, items: list[tuple[SpoolFile, dict[str, 
     stored = _stored_submissions(conn, sorted({r["record_id"] for _, r in items}))
     verdicts = []
     for f, row in items:
+        if row["source"] == "lua" and f.uid not in trusted:
+            # Only the daemon (root, or the account this ingest runs as: `render serve` runs it as the
+            # nightly account) records the hook's decisions, and only it may say whose job it was.
+            verdicts.append(_Verdict("forged", f"a decision record of the Lua hook's daemon, naming user "
+                                               f"{row['user']}, but the file belongs to {_owner(f.uid)}, "
+                                               "not to the daemon's account"))
+            continue
         verdict = _linked(f, row["cluster"], row["job_id"], users, trusted, now, "a submission record")
         old = stored.get(row["record_id"])
         if verdict.action == STORE and old is not None:
@@ -542,7 +592,94 @@ def _admit_submissions(conn: Connection, items: list[tuple[SpoolFile, dict[str, 
 
 
 def _store_submissions(conn: Connection, rows: list[dict[str, Any]]) -> None:
-    conn.execute(cast(Table, Submission.__table__).insert(), rows)
+    """The scripts first, each text once (a sha256 already stored is not written again), then the
+    submissions, each linked to the registered model version its digest names, if any."""
+    scripts: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["script_text"] is not None and r["script_sha256"] not in scripts:
+            scripts[r["script_sha256"]] = {"sha256": r["script_sha256"], "text": r["script_text"],
+                                           "first_seen": r["submitted_at"]}
+    store_scripts(conn, list(scripts.values()))
+    versions = _registered(conn, {r["model_version"] for r in rows if r["model_version"]})
+    conn.execute(cast(Table, Submission.__table__).insert(),
+                 [{**{c: r[c] for c in _SUBMISSION_COLUMNS}, "model_version_id": versions.get(r["model_version"])}
+                  for r in rows])
+
+
+def store_scripts(conn: Connection, scripts: list[dict[str, Any]]) -> None:
+    """Insert job_scripts rows whose sha256 is not stored yet (another ingest may store one meanwhile:
+    that is no error, the text is the same by its hash)."""
+    if not scripts:
+        return
+    table = cast(Table, JobScript.__table__)
+    known: set[str] = set()
+    shas = [s["sha256"] for s in scripts]
+    for start in range(0, len(shas), 500):
+        known.update(conn.execute(select(table.c.sha256).where(table.c.sha256.in_(shas[start:start + 500])))
+                     .scalars())
+    fresh = [s for s in scripts if s["sha256"] not in known]
+    if not fresh:
+        return
+    name = conn.dialect.name
+    if name in ("sqlite", "postgresql"):
+        if name == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
+        conn.execute(dialect_insert(table).on_conflict_do_nothing(index_elements=["sha256"]), fresh)
+    else:
+        from sqlalchemy.dialects.mysql import insert as mysql_insert
+
+        stmt = mysql_insert(table)
+        conn.execute(stmt.on_duplicate_key_update(sha256=stmt.inserted.sha256), fresh)
+
+
+def _registered(conn: Connection, digests: set[str]) -> dict[str, int]:
+    """The model_versions id of each digest that a registered version has."""
+    if not digests:
+        return {}
+    table = cast(Table, ModelVersion.__table__)
+    rows = conn.execute(select(table.c.digest, table.c.id).where(table.c.digest.in_(sorted(digests)))
+                        .order_by(table.c.version))
+    return {digest: id_ for digest, id_ in rows}
+
+
+LINK_WINDOW = timedelta(days=30)  # the daemon's decisions still looked for among the jobs
+
+
+def link_decisions(engine: Engine, now: datetime | None = None) -> int:
+    """Give the Lua hook's recorded decisions (no job id when slurmctld asked) the job their decision
+    tag went into: the job whose comment carries the decision id, of the user the decision was for
+    (anyone can write any comment). An array's tasks or a hetjob's components count as their job;
+    a decision id found on two different jobs (a user copied the tag) links to neither. Returns how
+    many were linked."""
+    now = now or utcnow()
+    sub = cast(Table, Submission.__table__)
+    with engine.begin() as conn:
+        pending = conn.execute(select(sub.c.id, sub.c.cluster, sub.c.user, sub.c.decision_id)
+                               .where(sub.c.source == "lua", sub.c.job_id.is_(None), sub.c.decision_id.isnot(None),
+                                      sub.c.submitted_at >= now - LINK_WINDOW)).all()
+        if not pending:
+            return 0
+        found: dict[tuple[str, str | None], set[tuple[str, str]]] = {}
+        ids = sorted({p.decision_id for p in pending})
+        for start in range(0, len(ids), 500):
+            rows = conn.execute(select(JOBS.c.cluster, JOBS.c.user, JOBS.c.job_id, JOBS.c.array_job_id,
+                                       JOBS.c.het_job_id, JOBS.c.decision_id)
+                                .where(JOBS.c.decision_id.in_(ids[start:start + 500])))
+            for r in rows:
+                base = r.array_job_id if r.array_job_id is not None else r.het_job_id
+                found.setdefault((r.decision_id, r.user), set()).add(
+                    (r.cluster, str(base) if base is not None else r.job_id))
+        linked = 0
+        for p in pending:
+            jobs = {(cluster, job_id) for cluster, job_id in found.get((p.decision_id, p.user), set())
+                    if p.cluster in (cluster, "default")}
+            if len(jobs) == 1:
+                cluster, job_id = next(iter(jobs))
+                conn.execute(sub.update().where(sub.c.id == p.id).values(job_id=job_id, cluster=cluster))
+                linked += 1
+    return linked
 
 
 SUBMISSIONS = _SpoolKind(lambda n: n.startswith("sub-") and n.endswith(".json"), parse_submission,
@@ -667,8 +804,11 @@ def drain_spool(engine: Engine, directory: str, kind: _SpoolKind, report: Report
 
 def load_submissions(engine: Engine, directory: str, report: Report | None = None,
                      trusted: Collection[int] | None = None) -> Report:
-    """Load gsbatch's submission records (once each, by record id)."""
-    return _drain(engine, directory, SUBMISSIONS, report or Report(), trusted)
+    """Load gsbatch's and the daemon's submission records (once each, by record id), then link the
+    daemon's decisions to their jobs (``link_decisions``)."""
+    report = _drain(engine, directory, SUBMISSIONS, report or Report(), trusted)
+    report.decisions_linked += link_decisions(engine)
+    return report
 
 
 # --- GPU collector records ------------------------------------------------------------------

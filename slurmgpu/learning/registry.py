@@ -35,12 +35,25 @@ def register(engine: Engine, bundle: Bundle, active_path: str, active: bool) -> 
             "metrics": bundle.data.get("metrics", {}), "active": active,
             "train_start": datetime.fromisoformat(start) if start else None,
             "train_end": datetime.fromisoformat(end) if end else None,
+            "digest": bundle.digest,  # of the bytes just saved: what decisions made with it record
         }])
     if active:
         tmp = active_path + ".tmp"
         shutil.copyfile(path, tmp)
         os.replace(tmp, active_path)
     return version
+
+
+def version_of(engine: Engine, digest: str) -> dict[str, Any] | None:
+    """The registered version a decision's model digest names (``submissions.model_version``):
+    its number, bundle path, training window and metrics; None when no registered version has it."""
+    table = cast(Table, ModelVersion.__table__)
+    with engine.connect() as conn:
+        row = conn.execute(select(table.c.version, table.c.path, table.c.train_start, table.c.train_end,
+                                  table.c.metrics, table.c.active, table.c.digest)
+                           .where(table.c.name == NAME, table.c.digest == digest)
+                           .order_by(table.c.version.desc())).first()
+    return dict(row._mapping) if row else None
 
 
 def current_metrics(path: str, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],

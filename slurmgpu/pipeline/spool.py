@@ -21,7 +21,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-RECORD_VERSION = 1
+# Version 2 (decision lineage) adds ``source`` ("gsbatch" or "lua"), ``script_text`` (the script's
+# UTF-8 text, whose sha256 is ``script_sha256``), ``model_version`` (Bundle.digest, or None) and, in
+# the daemon's records only, ``user`` and ``uid`` (whom slurmctld said the job is for). The ingest
+# reads versions 1 and 2; version 1 records load as gsbatch's, without a script text.
+RECORD_VERSION = 2
+READ_VERSIONS = (1, 2)
+SOURCES = ("gsbatch", "lua")
+MAX_RECORD_BYTES = 1 << 20  # the ingest reads no larger file
+MAX_SCRIPT_BYTES = 512 << 10  # a script's text rides in its record up to this size (UTF-8 bytes)
 PERSONAL_SPOOL = os.path.join("~", ".local", "share", "slurmgpu", "spool")
 
 
@@ -104,16 +112,34 @@ def record_mode(directory: str) -> int:
 
 def write_record(directory: str, record: Mapping[str, Any]) -> str:
     """Write one submission record atomically, readable by its owner (and, in a setgid spool, by the
-    spool's group); returns its path."""
+    spool's group); returns its path. A record the ingest would find too large goes without its
+    script text (JSON escapes can make a text of MAX_SCRIPT_BYTES larger than the file limit)."""
     path = os.path.join(directory, f"sub-{record['record_id']}.json")
-    atomic_write(path, json.dumps(record, separators=(",", ":"), sort_keys=True).encode(), record_mode(directory))
+    data = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+    if len(data) > MAX_RECORD_BYTES and record.get("script_text") is not None:
+        data = json.dumps({**record, "script_text": None}, separators=(",", ":"), sort_keys=True).encode()
+    atomic_write(path, data, record_mode(directory))
     return path
 
 
+def script_text(data: bytes | None) -> str | None:
+    """The text a record carries for a script's bytes: the bytes themselves when they are UTF-8 and
+    at most MAX_SCRIPT_BYTES (so the stored text hashes to the record's script_sha256), else None."""
+    if data is None or len(data) > MAX_SCRIPT_BYTES:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def new_record(**fields: Any) -> dict[str, Any]:
+    """A submission record of the current version; lineage fields not given are gsbatch's defaults
+    (no script text, no model version)."""
     # os.urandom rather than uuid: importing uuid costs gsbatch ~10 ms.
     return {"version": RECORD_VERSION, "record_id": os.urandom(16).hex(),
-            "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), **fields}
+            "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "source": SOURCES[0], "script_text": None, "model_version": None, **fields}
 
 
 def write_private(path: str, data: bytes) -> None:
