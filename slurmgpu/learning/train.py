@@ -17,7 +17,14 @@ from sqlalchemy.engine import Engine
 
 from slurmgpu.history.db import GpuUsage, Job, Submission
 from slurmgpu.learning.censored import INF, memory_interval
-from slurmgpu.pipeline.bundle import BUNDLE_VERSION, Bundle, TreeEnsemble, memory_base_mib
+from slurmgpu.pipeline.bundle import (
+    BUNDLE_VERSION,
+    Bundle,
+    TreeEnsemble,
+    arch_base_mib,
+    memory_base_mib,
+    memory_stratum,
+)
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.features import HELD, NUMERIC, RATE, HistoryStats, job_features, script_features
 
@@ -99,7 +106,7 @@ class _Running:
     def _family_view(s: Mapping[str, float]) -> dict[str, Any]:
         # Numbers, but for "shapes": the "<count>x<type>" shapes the family ran on (a list of str).
         n, m = s["n"], s["m"]
-        view = {"n": n, "oom_rate": s["oom"] / n, "params_b": s["params_b"],
+        view = {"n": n, "oom_rate": s["oom"] / n, "params_b": s["params_b"], "scale": s["scale"],
                 "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
                 "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
@@ -122,6 +129,7 @@ class _Running:
                                                     "tp", "tmin", "pmin"), 0.0))
         s["n"] += 1
         s["params_b"] = float(row["script"]["params_b"])
+        s["scale"] = float(row["script"].get("scale") or row["script"]["params_b"])
         s[f"shape:{row['gpus']}x{row['gpu_type']}"] = 1.0  # the GPU counts and types it ran on
         interval = memory_interval(row, row.get("card_gib", 0.0) * 1024)
         if interval is not None and interval[1] != INF and row.get("card_gib"):
@@ -192,28 +200,45 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
 def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, iterations: int = 400,
         progress: Callable[[str], None] = lambda s: None) -> tuple[Bundle, list[dict[str, Any]]]:
     """Fit both models; returns the bundle and the examples (for evaluation)."""
-    from catboost import CatBoostRegressor
-
     examples, snapshot = build_examples(rows, config)
     mem = [e for e in examples if e["peak"] and not e["oom"]]
     run = [e for e in examples if e["state"] == "COMPLETED" and e["elapsed"]]
     if len(run) < 20:
         raise ValueError(f"too little history to train: {len(run)} completed GPU jobs (20 needed)")
     if len(mem) >= 20:
-        # The newest fifth calibrates the quantile (split conformal): trees fitted on older jobs, whose
-        # family bases rested on less history, are too optimistic about the upper tail of newer ones.
+        # Trees learn the typical ratio of a peak to its estimate (RMSE on the log); the newest fifth,
+        # not fitted on, sets the margin to the quantile per stratum of what the estimate rests on
+        # (split conformal, one quantile per stratum: "Mondrian"). One margin for all would let the
+        # first jobs of new models, whose estimates are far off, inflate every estimate.
         cut = int(len(mem) * 0.8)
         fit_part, calib = mem[:cut], mem[cut:]
         progress(f"memory model on {len(fit_part)} jobs with GPU memory, calibrated on {len(calib)}")
-        m_mem = CatBoostRegressor(iterations=iterations, depth=6, loss_function=f"Quantile:alpha={quantile}",
-                                  verbose=0, allow_writing_files=False, thread_count=2, random_seed=0)
-        m_mem.fit([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part])
-        # Calibrated on jobs whose family has history: the only ones the decider acts on, and a first
-        # job of an unknown family (an analytic base) would otherwise set the margin for everyone.
-        known = [e for e in calib if _known(e, config)] or calib
-        gaps = sorted(math.log(e["peak"] / e["base"]) - m_mem.predict([e["x"]])[0] for e in known)
-        calibration = max(gaps[min(int(math.ceil(quantile * (len(gaps) + 1))) - 1, len(gaps) - 1)], 0.0)
-        memory, source = _shifted(TreeEnsemble.from_catboost(m_mem), calibration), "telemetry"
+        mem_predict, mem_trees = _trees([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part],
+                                        "RMSE", iterations)
+        # Per stratum, the estimate with the narrower upper quantile on the calibration jobs: the
+        # trees' ratio, or the estimate alone (trees fitted across models can carry one model's
+        # quirks to another; on published CNN peaks they widened the known families' margin 4x).
+        gaps: dict[str, tuple[list[float], list[float]]] = {}
+        for e, p in zip(calib, mem_predict([e["x"] for e in calib]), strict=True):
+            ratio = math.log(e["peak"] / e["base"])
+            with_trees, alone = gaps.setdefault(memory_stratum(e["x"]), ([], []))
+            with_trees.append(ratio - p)
+            alone.append(ratio)
+        offsets, tree_strata = {}, []
+        for k, (with_trees, alone) in gaps.items():
+            if len(alone) >= MIN_STRATUM:
+                offsets[k] = min(_upper(quantile, with_trees), _upper(quantile, alone))
+                if _upper(quantile, with_trees) < _upper(quantile, alone):
+                    tree_strata.append(k)
+        # Sizes of a model never run (strata 1, 2) are rare among the newest jobs: their margin comes
+        # from leaving each size of an architecture out and estimating it from the others.
+        for k, held_out in _size_gaps(mem, snapshot).items():
+            if k not in offsets and len(held_out) >= MIN_STRATUM:
+                offsets[k] = _upper(quantile, held_out)
+        # A stratum with too few jobs to measure its quantile takes the trees and the largest margin.
+        pooled = _upper(quantile, [g for with_trees, _ in gaps.values() for g in with_trees])
+        memory, source = {**mem_trees, "offsets": offsets, "tree_strata": sorted(tree_strata),
+                          "default_offset": max([pooled, *offsets.values()])}, "telemetry"
     else:
         # No GPU-memory field (most sites' sacct): the per-GPU estimate stays the family or analytic
         # base, and the decider moves a job only to cards its family's outcomes show it holds on.
@@ -221,24 +246,21 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         memory, source = {"trees": [{"splits": [], "leaves": [0.0]}], "scale": 1.0, "bias": 0.0}, "outcomes"
     progress(f"runtime model on {len(run)} jobs")
 
-    def runtime_model(part: list[dict[str, Any]]) -> Any:
-        m = CatBoostRegressor(iterations=iterations, depth=6, loss_function="RMSE", verbose=0,
-                              allow_writing_files=False, thread_count=2, random_seed=0)
-        m.fit([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part])
-        return m
+    def runtime_model(part: list[dict[str, Any]]) -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
+        return _trees([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part], "RMSE", iterations)
 
     # How far newer jobs ran beyond what a model of older ones predicted: the margin a changed
     # request must keep to its time limit (a median prediction alone times out half the misses).
     cut = int(len(run) * 0.8)
-    probe = runtime_model(run[:cut])
+    probe, _ = runtime_model(run[:cut])
     over = sorted(math.log(max(e["elapsed"], 1)) - p for e, p in
-                  zip(run[cut:], probe.predict([e["x"] for e in run[cut:]]), strict=True))
+                  zip(run[cut:], probe([e["x"] for e in run[cut:]]), strict=True))
     spread = max(over[min(int(0.95 * len(over)), len(over) - 1)], 0.0) if over else 0.0
-    m_run = runtime_model(run)
+    _, run_trees = runtime_model(run)
     bundle = Bundle({
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": memory, "memory_source": source,
-        "runtime": TreeEnsemble.from_catboost(m_run), "runtime_spread": spread,
+        "runtime": run_trees, "runtime_spread": spread,
         "history": {"families": snapshot.families, "archs": snapshot.archs},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
         "jobs": len(examples),
@@ -246,16 +268,59 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     return bundle, examples
 
 
-_FAM_N = NUMERIC.index("fam_n")
+def _trees(xs: list[list[float]], ys: list[float], loss: str,
+           iterations: int) -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
+    """CatBoost trees for one target, as a predictor and the bundle's tree format. Targets that are
+    all the same (every job ran exactly as long) are that constant: CatBoost refuses to fit them."""
+    from catboost import CatBoostRegressor
+
+    if max(ys) - min(ys) < 1e-12:
+        return (lambda rows: [ys[0]] * len(rows)), {"trees": [{"splits": [], "leaves": [0.0]}], "scale": 1.0,
+                                                     "bias": ys[0]}
+    model = CatBoostRegressor(iterations=iterations, depth=6, loss_function=loss, verbose=0,
+                              allow_writing_files=False, thread_count=2, random_seed=0)
+    model.fit(xs, ys)
+    return (lambda rows: [float(v) for v in model.predict(rows)]), TreeEnsemble.from_catboost(model)
+
+
+_FAM_N, _BASE_KIND = NUMERIC.index("fam_n"), NUMERIC.index("base_kind")
 
 
 def _known(example: Mapping[str, Any], config: Config) -> bool:
     return example["x"][_FAM_N] >= config.policy.min_history
 
 
-def _shifted(trees: dict[str, Any], by: float) -> dict[str, Any]:
-    """Add a constant to a tree ensemble's output (the conformal calibration)."""
-    return {**trees, "bias": trees["bias"] + by, "calibration": by}
+def _size_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> dict[str, list[float]]:
+    """Log(peak / estimate) of every measured job when its model size is left out of its
+    architecture, by the stratum that estimate falls in (jackknife over sizes), pooled and per
+    architecture ("<stratum>@<arch>": sizes of one architecture follow its own line more closely)."""
+    from slurmgpu.pipeline.features import base_kind
+
+    gaps: dict[str, list[float]] = {}
+    for e in mem:
+        script = e["script"]
+        siblings = snapshot.siblings(script)
+        if not siblings:
+            continue
+        f = dict(zip(NUMERIC, e["x"], strict=True))
+        kind = base_kind({}, siblings)
+        estimate = arch_base_mib(f, siblings, float(script.get("scale") or f["params_b"]))
+        if estimate:
+            stratum = memory_stratum([*e["x"][:_BASE_KIND], kind, *e["x"][_BASE_KIND + 1:]])
+            for key in (stratum, f"{stratum}@{script['arch']}"):  # all architectures, and this one's own
+                gaps.setdefault(key, []).append(math.log(e["peak"] / estimate))
+    return gaps
+
+
+MIN_STRATUM = 20  # calibration jobs a stratum needs for its own quantile
+
+
+def _upper(quantile: float, gaps: list[float]) -> float:
+    """The split-conformal upper quantile of the gaps (at least 0: an estimate is never lowered)."""
+    if not gaps:
+        return 0.0
+    ordered = sorted(gaps)
+    return max(ordered[min(int(math.ceil(quantile * (len(ordered) + 1))) - 1, len(ordered) - 1)], 0.0)
 
 
 def split_by_time(rows: list[dict[str, Any]], test_days: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -277,7 +342,8 @@ def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[d
     run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"] and _known(e, config)]
 
     def under(items: list[dict[str, Any]]) -> float | None:
-        misses = sum(1 for e in items if e["base"] * math.exp(bundle.memory.predict(e["x"])) < e["peak"])
+        misses = sum(1 for e in items if e["base"] * math.exp(bundle.memory_ratio(
+            e["x"], bundle.memory.predict(e["x"]), e["script"].get("arch"))) < e["peak"])
         return misses / len(items) if items else None
 
     ape = sorted(abs(math.exp(bundle.runtime.predict(e["x"])) - e["elapsed"]) / e["elapsed"] for e in run)

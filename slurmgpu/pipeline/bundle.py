@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from slurmgpu.pipeline.features import NUMERIC, HistoryStats, hexdigest, measured
+from slurmgpu.pipeline.features import NUMERIC, HistoryStats, hexdigest, linear_fits, measured
 
 BUNDLE_VERSION = 1
 MIB = 1024.0
@@ -161,39 +161,63 @@ def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float |
     return peak * max(tokens / t0, 1.0) if t0 > 0 else peak
 
 
-def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, float]]) -> float | None:
-    """A model size never run, from the measured peaks of other sizes of the same architecture at
-    this job's batch and sequence: the line through (log size, log peak) of the sizes seen,
-    between the nearest sizes when the job's lies among them, else the least-squares line over
-    all of them (one size seen: its peak scaled as the analytic estimate scales between the sizes).
-    None when no sibling has a measured peak."""
-    points: dict[float, float] = {}
-    for fam in siblings:
-        base, size = family_base_mib(f, fam), fam.get("params_b", 0.0)
-        if base and size > 0:
-            points[size] = max(points.get(size, 0.0), base)
-    if not points:
-        return None
-    size = max(f["params_b"], 1e-6)
-    if len(points) == 1:
-        (s0, b0), = points.items()
-        return b0 * analytic_base_mib(f) / analytic_base_mib({**f, "params_b": s0})
+def _along(points: Mapping[float, float], x: float) -> float:
+    """A positive quantity at size X from its values at other sizes, on log-log axes: between the
+    nearest sizes when X lies among them, else along the least-squares line (never decreasing)."""
     xs = sorted(points)
-    lx, ly = [math.log(x) for x in xs], [math.log(points[x]) for x in xs]
-    x = math.log(size)
-    if lx[0] <= x <= lx[-1]:
-        i = max(j for j in range(len(lx) - 1) if lx[j] <= x)
-        t = (x - lx[i]) / (lx[i + 1] - lx[i])
-        return math.exp(ly[i] + t * (ly[i + 1] - ly[i]))
+    lx, ly = [math.log(v) for v in xs], [math.log(points[v]) for v in xs]
+    at = math.log(x)
+    if lx[0] <= at <= lx[-1]:
+        i = max(j for j in range(len(lx) - 1) if lx[j] <= at)
+        return math.exp(ly[i] + (at - lx[i]) / (lx[i + 1] - lx[i]) * (ly[i + 1] - ly[i]))
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
     slope = sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
-    return math.exp(my + max(slope, 0.0) * (x - mx))
+    return math.exp(min(my + max(slope, 0.0) * (at - mx), 700.0))
+
+
+def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, float]], scale: float) -> float | None:
+    """A model size never run, from the measured peaks of other sizes of the same architecture.
+
+    Sizes are placed by ``scale`` (features.name_scale: the depth a CNN's name gives, else the
+    parameter count). With two or more sizes fitted as a + b*tokens, the fixed part a and the
+    per-token part b are each carried to the job's size (``_along``); else the sizes' peaks at this
+    job's tokens are; one size alone is scaled as the analytic estimate scales between the two
+    parameter counts. Checked against published measurements (tests/test_published.py): ResNet-101
+    and -152 from ResNet-18/34/50 within about 12%. None when no sibling has a measured peak."""
+    linear = linear_fits(siblings)
+    if len(linear) >= 2 and scale > 0:
+        return _along({k: a for k, (a, _) in linear.items()}, scale) + \
+            _along({k: b for k, (_, b) in linear.items()}, scale) * math.exp(f["log_tokens"])
+    points: dict[float, float] = {}
+    sizes: dict[float, float] = {}
+    for fam in siblings:
+        base, at = family_base_mib(f, fam), fam.get("scale", 0.0)
+        if base and at > 0:
+            points[at] = max(points.get(at, 0.0), base)
+            sizes[at] = fam.get("params_b", f["params_b"])
+    if not points or scale <= 0:
+        return None
+    if len(points) == 1:
+        (at, peak), = points.items()
+        return peak * analytic_base_mib(f) / analytic_base_mib({**f, "params_b": sizes[at]})
+    return _along(points, scale)
+
+
+_BASE_KIND, _FAM_N = NUMERIC.index("base_kind"), NUMERIC.index("fam_n")
+
+
+def memory_stratum(x: Sequence[float]) -> str:
+    """What a memory estimate rests on, for its calibrated margin: the base kind (features'
+    ``base_kind``) and, for the family's own peaks, how many earlier jobs (1, 2, 3 or more)."""
+    kind = int(x[_BASE_KIND])
+    return f"{kind}:{min(int(x[_FAM_N]), 3)}" if kind == 3 else f"{kind}"
 
 
 def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: HistoryStats) -> float:
     """The estimate the memory model's learned ratio multiplies (``base_kind`` in the features says
     which): the family's own peaks, else its architecture's other sizes, else the analytic prior."""
-    return (family_base_mib(f, history.family(script["family"])) or arch_base_mib(f, history.siblings(script))
+    scale = float(script.get("scale") or f["params_b"])
+    return (family_base_mib(f, history.family(script["family"])) or arch_base_mib(f, history.siblings(script), scale)
             or analytic_base_mib(f))
 
 
@@ -245,6 +269,11 @@ class Bundle:
         self.data = dict(data)
         self._digest: str | None = None
         self.memory = TreeEnsemble(data.get("memory"), "memory")
+        memory = _table(data.get("memory"), "memory")
+        self.memory_offsets = {str(k): _number(v, f"memory.offsets[{k[:20]}]")
+                               for k, v in _table(memory.get("offsets", {}), "memory.offsets").items()}
+        self.memory_default_offset = _number(memory.get("default_offset", 0.0), "memory.default_offset")
+        self.memory_tree_strata = frozenset(str(k) for k in _items(memory.get("tree_strata", []), "memory.tree_strata"))
         self.runtime = TreeEnsemble(data.get("runtime"), "runtime")
         history = _table(data.get("history"), "history")
         # Per-family history only: a bundle is world-readable, so it carries nothing per user.
@@ -309,5 +338,17 @@ class Bundle:
         """Per-GPU peak and runtime of one job (``script``: its script_features) on several shapes."""
         xs = [[f[name] for name in NUMERIC] for f in rows]
         bases = [memory_base_mib(f, script, self.history) for f in rows]
-        return [Prediction(base * math.exp(m), math.exp(r)) for base, m, r in
-                zip(bases, self.memory.predict_many(xs), self.runtime.predict_many(xs), strict=True)]
+        return [Prediction(base * math.exp(self.memory_ratio(x, m, script.get("arch"))), math.exp(r))
+                for x, base, m, r in zip(xs, bases, self.memory.predict_many(xs), self.runtime.predict_many(xs),
+                                         strict=True)]
+
+    def memory_ratio(self, x: Sequence[float], trees: float, arch: str | None = None) -> float:
+        """Log of peak / estimate for the job's stratum (``memory_stratum``): the trees' ratio where
+        calibration chose them, plus the stratum's calibrated margin (its architecture's own, where
+        training measured one)."""
+        stratum = memory_stratum(x)
+        if f"{stratum}@{arch}" in self.memory_offsets:
+            return self.memory_offsets[f"{stratum}@{arch}"]
+        if stratum not in self.memory_offsets:
+            return trees + self.memory_default_offset
+        return (trees if stratum in self.memory_tree_strata else 0.0) + self.memory_offsets[stratum]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "python3", "python", "srun")
@@ -163,6 +163,18 @@ def arch_key(model: str | None) -> str | None:
     return _NUMBER.sub("N", name)
 
 
+def name_scale(model: str | None, params_b: float) -> float:
+    """Where a model sits among its architecture's sizes: the number its name gives (resnet152 ->
+    152, vgg19 -> 19: depth, which drives a CNN's activations more closely than its parameter
+    count does), else its parameter count in billions (7b, 350m, bert-large)."""
+    name = _SIZE_IN_NAME.sub("", (model or "").rsplit("/", 1)[-1].lower())
+    if not _SIZE_IN_NAME.search((model or "").lower()) and not _SIZE_WORD.search(name):
+        number = re.search(r"(?<![\d.])(\d+)", name)
+        if number and int(number.group(1)) > 0:
+            return float(number.group(1))
+    return params_b
+
+
 def _num(text: str | None, default: float) -> float:
     try:
         return float(text) if text is not None else default
@@ -189,6 +201,7 @@ def script_features(script: str) -> dict[str, Any]:
         "launcher": next((w.rsplit("/", 1)[-1] for w in words if w.rsplit("/", 1)[-1] in LAUNCHERS), "other"),
         "model": (opts.get("model") or "").rsplit("/", 1)[-1].lower() or None,
         "arch": arch_key(opts.get("model")),
+        "scale": name_scale(opts.get("model"), model_size_b(opts.get("model"), command)),
         "params_b": model_size_b(opts.get("model"), command),
         "batch_size": batch,
         "seq_len": seq,
@@ -248,6 +261,23 @@ def measured(fam: Mapping[str, Any]) -> bool:
     return bool(fam) and fam.get("n", 0) >= 1 and (fam.get("b", 0.0) > 0 or fam.get("log_peak_max", 0.0) > 0)
 
 
+def linear_fits(siblings: Iterable[Mapping[str, Any]]) -> dict[float, tuple[float, float]]:
+    """The sizes (``scale``) among SIBLINGS with a fitted line a + b*tokens (a, b > 0), and the line."""
+    return {fam["scale"]: (fam["a"], fam["b"]) for fam in siblings
+            if fam.get("b", 0.0) > 0 and fam.get("a", 0.0) > 0 and fam.get("scale", 0.0) > 0}
+
+
+def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]]) -> float:
+    """What the memory estimate rests on (bundle.memory_base_mib), each with its own calibrated
+    margin: the family's own measured peaks (3), lines fitted to two or more other sizes of its
+    model (2), other sizes' peaks otherwise (1), the analytic prior alone (0)."""
+    if measured(fam):
+        return 3.0
+    if len(linear_fits(siblings)) >= 2:
+        return 2.0
+    return 1.0 if any(measured(s) for s in siblings) else 0.0
+
+
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],
                  gpus: int, history: HistoryStats) -> dict[str, float]:
     """The model's numeric input for running this job on ``gpus`` GPUs of type ``gpu``.
@@ -268,9 +298,7 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
-        # What the memory estimate rests on (bundle.memory_base_mib): the family's own measured peaks
-        # (2), other sizes of its model (1), or the analytic prior alone (0).
-        "base_kind": 2.0 if measured(fam) else 1.0 if any(measured(s) for s in history.siblings(script_feats)) else 0.0,
+        "base_kind": base_kind(fam, history.siblings(script_feats)),
     }
 
 

@@ -1,0 +1,62 @@
+"""Published measurements as a site history: the project's models judged on numbers measured by
+others (tests/fixtures/published/, provenance in its README), through the same path a site uses:
+a CSV in ``history import``'s schema, ``train``, then the decider's per-type table (what
+``slurmgpu predict --json`` prints)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "published"
+COLUMNS = ("job_id", "user", "submit_time", "gpu_type", "gpu_count", "elapsed_s", "state", "peak_gpu_mem_mib",
+           "script")
+
+
+def memory_rows(source: str = "gpumemnet_timm") -> list[dict[str, str]]:
+    """The source's measurements that pass its plausibility checks (``ok``), with an image size."""
+    with open(FIXTURES / "memory.csv", newline="") as fh:
+        return [r for r in csv.DictReader(fh) if r["source"] == source and r["ok"] == "1" and r["image_or_seq"]]
+
+
+def by_model(rows: Iterable[Mapping[str, str]]) -> dict[str, list[Mapping[str, str]]]:
+    out: dict[str, list[Mapping[str, str]]] = defaultdict(list)
+    for r in rows:
+        out[r["model"]].append(r)
+    return out
+
+
+def train_script(model: str, batch: int, image: str | int, gpu_type: str = "a100") -> str:
+    """The job script a user of the measured training would write."""
+    return (f"#!/bin/bash\n#SBATCH --gres=gpu:{gpu_type}:1\n#SBATCH --time=04:00:00\n"
+            f"python train.py --model {model} --batch-size {batch} --image-size {image}\n")
+
+
+def history_csv(path: Path, rows: Iterable[Mapping[str, str]], gpu_type: str = "a100") -> int:
+    """Write measurements as completed jobs, an hour apart, in the import schema; returns the count."""
+    t0 = datetime(2026, 6, 1)
+    n = 0
+    with open(path, "w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(COLUMNS)
+        for i, r in enumerate(rows):
+            text = train_script(r["model"], int(r["batch_size"]), r["image_or_seq"], gpu_type)
+            out.writerow([f"{9000 + i}", f"u{i % 7}", (t0 + timedelta(hours=i)).isoformat(), gpu_type, 1,
+                          600 + 7 * int(r["batch_size"]),
+                          "COMPLETED", r["peak_mib"], text])
+            n += 1
+    return n
+
+
+def errors(predicted: Mapping[Any, float], measured: Mapping[Any, float]) -> dict[str, float]:
+    """Median absolute percentage error and the share under-predicted, over the keys both have."""
+    rel = sorted((predicted[k] - measured[k]) / measured[k] for k in measured if k in predicted)
+    ape = sorted(abs(e) for e in rel)
+    return {"n": len(rel), "mdape": ape[len(ape) // 2] if ape else math.nan,
+            "under": sum(e < 0 for e in rel) / len(rel) if rel else math.nan,
+            "worst_under": min(rel, default=math.nan)}
