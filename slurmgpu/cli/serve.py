@@ -217,14 +217,17 @@ def lua_render(ctx: click.Context, out: str, socket_path: str, timeout_ms: int, 
 @click.option("--run-as", default="slurmgpu", show_default=True, help="Account the daemon runs as once bound.")
 @click.option("--config-path", default="/etc/slurmgpu/slurmgpu.toml", show_default=True)
 @click.option("--bin", "bin_path", help="The slurmgpu executable (default: the one on PATH).")
+@click.option("--spool", default="/var/spool/slurmgpu/submissions", show_default=True,
+              help="The config's submission spool, where the daemon records the hook's decisions ('' for none).")
 def render_serve_cmd(out: str, socket_path: str, group: str, run_as: str, config_path: str,
-                     bin_path: str | None) -> None:
+                     bin_path: str | None, spool: str) -> None:
     """Write slurmgpu-serve.service, the systemd unit of the decision daemon."""
     socket_dir = os.path.dirname(_check("--socket", socket_path))
     runtime = socket_dir.removeprefix("/run/") if re.fullmatch(r"/run/[A-Za-z0-9_.-]+", socket_dir) else None
     text = render("systemd/slurmgpu-serve.service.j2", socket=socket_path, socket_dir=socket_dir,
                   runtime_dir=runtime, group=_check("--group", group, _NAME),
                   run_as=_check("--run-as", run_as, _NAME), config=_check("--config-path", config_path),
-                  bin=_check("--bin", bin_path or os.path.abspath(shutil.which("slurmgpu") or sys.argv[0])))
+                  bin=_check("--bin", bin_path or os.path.abspath(shutil.which("slurmgpu") or sys.argv[0])),
+                  spool=_check("--spool", spool) if spool else None)
     os.makedirs(out, exist_ok=True)
     _write(os.path.join(out, "slurmgpu-serve.service"), text)

@@ -153,8 +153,9 @@ def script_texts(engine: Engine, since: datetime | None = None) -> dict[tuple[st
         shas = sorted({s.script_sha256 for s in subs})
         texts: dict[str, str] = {}
         for start in range(0, len(shas), 500):
-            texts.update(conn.execute(select(JobScript.sha256, JobScript.text)
-                                      .where(JobScript.sha256.in_(shas[start:start + 500]))).tuples().all())
+            for digest, text in conn.execute(select(JobScript.sha256, JobScript.text)
+                                             .where(JobScript.sha256.in_(shas[start:start + 500]))):
+                texts[digest] = text
         jobs = _submission_jobs(conn, subs)
     out: dict[tuple[str, str], str] = {}
     for s in subs:  # oldest first: a newer submission of the same job replaces an older one

@@ -331,6 +331,15 @@ local function waiver_for(job_desc, family)
     return nil
 end
 
+-- The daemon's decision tag (slurmgpu:d=<id>;m=model;...) goes into the job's comment when the job has
+-- none, as gsbatch puts its own: sacct keeps the comment, and the ingest links the job to the daemon's
+-- record of this decision (its source, model version and script). A user's comment is never replaced.
+local function tag_job(job_desc, decision)
+    local tag = decision.tag
+    if type(tag) ~= "string" or #tag > 80 or not tag:match("^slurmgpu:d=%x+;m=[%w.%-]+[%w.;=]*$") then return end
+    if job_desc.comment == nil or job_desc.comment == "" then job_desc.comment = tag end
+end
+
 local function describe(changes)
     local text = {}
     for _, c in ipairs(changes) do
@@ -407,6 +416,7 @@ local function decide(job_desc, part_list)
     local reasons = type(decision.reasons) == "table" and decision.reasons or {}
     local why = tostring(decision.refused or reasons[#reasons] or "")
     if #changes == 0 then
+        if mode ~= "advise" and not CONFIG.dry_run then tag_job(job_desc, decision) end
         log_info(string.format("%s kept as submitted: %s", who, why))
         return
     end
@@ -428,6 +438,7 @@ local function decide(job_desc, part_list)
         return
     end
     for _, c in ipairs(changes) do job_desc[c.field] = c.new end
+    tag_job(job_desc, decision)
     log_info(string.format("%s changed: %s (%s)", who, text, why))
 end
 
