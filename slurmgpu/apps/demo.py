@@ -30,7 +30,7 @@ from slurmgpu.history import db, ingest
 from slurmgpu.learning import registry, train
 from slurmgpu.pipeline.config import load_config
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.features import hexdigest, script_features
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.rewrite import describe
 from slurmgpu.pipeline.script import parse_script
@@ -181,7 +181,8 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
     for job in history:  # what gsbatch would have recorded at submission
         request = build_request(parse_script(job.script.encode(), job.job_id), [], {}, config.gpu_features())
         write_record(str(out / "spool" / "submissions"), new_record(
-            cluster="slurmgpu", job_id=job.job_id, script_sha256=None, sbatch_exit=0,
+            cluster="slurmgpu", job_id=job.job_id, script_sha256=hexdigest("sha256", job.script.encode()),
+            script_text=job.script, sbatch_exit=0,
             features={"script": script_features(job.script)}, original_request=request.to_json(),
             decision={"changed": False}, changed=False))
     db.upgrade(url)

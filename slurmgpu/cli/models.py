@@ -69,24 +69,35 @@ def _fmt(metrics: dict[str, Any]) -> str:
 
 
 @click.command("evaluate")
-@click.option("--test-days", type=click.FloatRange(min=0.01), default=7, show_default=True)
+@click.option("--test-days", type=click.FloatRange(min=0.01), default=7, show_default=True,
+              help="The held-out window: the last N days of history.")
+@click.option("--model", "model_file", type=click.Path(dir_okay=False), default=None,
+              help="A model file to score instead of the installed one (e.g. a past version's).")
+@click.option("--version", "version", type=click.IntRange(min=1), default=None,
+              help="Score this registered model version (see the model_versions table).")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def evaluate_cmd(ctx: click.Context, test_days: float, as_json: bool) -> None:
-    """Evaluate the current model on the last N days of history (held out by time)."""
-    from slurmgpu.learning import train
+def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, version: int | None,
+                 as_json: bool) -> None:
+    """Evaluate a model on the last N days of history (held out by time): its numbers, and the
+    deployed decider replayed on each held-out job, judged by what the history measured."""
+    from slurmgpu.learning import evaluation, registry, train
     from slurmgpu.pipeline.bundle import Bundle
 
     config = site_config(ctx)
     assert config is not None
-    path = model_path(ctx)
+    engine = history_engine(ctx)
+    path = model_file or (registry.version_path(engine, version) if version else None) or model_path(ctx)
     try:
         bundle = Bundle.load(path)
     except (OSError, ValueError) as exc:
         fail(InputError(f"model unusable: {exc}", file=path))
-    train_rows, test_rows = train.split_by_time(train.history_rows(history_engine(ctx)), test_days)
-    metrics = train.evaluate(bundle, train_rows, test_rows, config)
-    click.echo(json.dumps(metrics, indent=2) if as_json else _fmt(metrics) or "no held-out jobs")
+    train_rows, test_rows = train.split_by_time(train.history_rows(engine), test_days)
+    metrics = {**train.evaluate(bundle, train_rows, test_rows, config), "model_version": bundle.digest,
+               "decider": evaluation.replay(bundle, config, train_rows, test_rows)}
+    click.echo(json.dumps(metrics, indent=2) if as_json else
+               "\n".join([f"model {bundle.digest} ({path})", _fmt(metrics) or "no held-out jobs",
+                          *evaluation.summary(metrics["decider"])]))
 
 
 @click.command("predict", context_settings={"ignore_unknown_options": True})

@@ -44,6 +44,13 @@ def register(engine: Engine, bundle: Bundle, active_path: str, active: bool) -> 
     return version
 
 
+def version_path(engine: Engine, version: int) -> str | None:
+    """The bundle file of registered version VERSION (None when there is no such version)."""
+    with engine.connect() as conn:
+        return conn.execute(select(ModelVersion.path).where(ModelVersion.name == NAME,
+                                                            ModelVersion.version == version)).scalar()
+
+
 def version_of(engine: Engine, digest: str) -> dict[str, Any] | None:
     """The registered version a decision's model digest names (``submissions.model_version``):
     its number, bundle path, training window and metrics; None when no registered version has it."""

@@ -32,15 +32,17 @@ USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
 
 def history_rows(engine: Engine) -> list[dict[str, Any]]:
-    """Jobs that ran on GPUs, with script features (from gsbatch's record or an imported
-    script) and their measured per-GPU peak memory, oldest first.
+    """Jobs that ran on GPUs, with script features (from the stored script text where there is one,
+    else gsbatch's record) and their measured per-GPU peak memory, oldest first.
 
     gsbatch records an array job under the id sbatch printed, so array tasks fall back to it.
     """
+    from slurmgpu.history.db import JobScript
     from slurmgpu.history.queries import peak_of
 
     stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.user, Job.submit_time, Job.state,
-                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Job.end_time)
+                   Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Job.end_time,
+                   Job.start_time, Job.partition, Job.time_limit_s)
             .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
             .order_by(Job.submit_time, Job.job_id))
     out = []
@@ -51,14 +53,18 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
         ooms = {(c, j): f for c, j, f in conn.execute(  # the collector found a GPU OOM in the job's stderr
             select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.gpu_oom))
             .where(GpuUsage.gpu_oom.is_not(None)).group_by(GpuUsage.cluster, GpuUsage.job_id))}
-        records = {(c, j): (f, r) for c, j, f, r in conn.execute(
-            select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request))}
+        records = {(c, j): (f, r, t) for c, j, f, r, t in conn.execute(
+            select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request,
+                   JobScript.text).outerjoin(JobScript, JobScript.sha256 == Submission.script_sha256))}
         for r in conn.execute(stmt).mappings():
             rec = records.get((r["cluster"], r["job_id"])) or (
                 records.get((r["cluster"], str(r["array_job_id"]))) if r["array_job_id"] is not None else None)
             feats = ((rec[0] or {}).get("script") if rec else None)
-            if feats is None and r["comment"] and r["comment"].startswith("script:"):
-                feats = script_features(r["comment"][len("script:"):])
+            text = rec[2] if rec else None  # the script itself (job_scripts), where the record carried it
+            if text is None and r["comment"] and r["comment"].startswith("script:"):
+                text = r["comment"][len("script:"):]
+            if text is not None:  # the script itself: features as this code reads them
+                feats = script_features(text)
             if feats is None:
                 continue
             measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
@@ -69,7 +75,8 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
                         "end": r["end_time"], "gpu_type": r["gpu_type"], "gpus": r["gpu_count"],
                         "elapsed": r["elapsed_s"],
                         "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {},
-                        "gpu_oom": oom})
+                        "gpu_oom": oom, "cluster": r["cluster"], "start": r["start_time"],
+                        "partition": r["partition"], "time_limit": r["time_limit_s"], "text": text})
     return out
 
 

@@ -237,7 +237,7 @@ class ModelDecider:
         shapes: list[tuple[GpuType, int]] = []
         for part in offered:
             for gtype in part.gpu_types:
-                if gtype != req_type and not self._runs_there(sf, req_type, gtype):
+                if gtype != req_type and not self.runs_there(sf, req_type, gtype):
                     continue
                 counts = range(min(fewest, req_total), min(req_total, part.gpus_per_node) + 1) \
                     if comp.nodes == 1 else [req_total]
@@ -322,6 +322,14 @@ class ModelDecider:
                 runtime = asked_pred.runtime_s * math.exp(rate - asked_rate)
             elif known:
                 runtime = pred.runtime_s
+            elif asked_pred is not None and asked_rate is not None and c == req_total and req_type and \
+                    (exponent := self._speed_exponent(fam, c)) is not None:
+                # A type the family never ran on: the datasheet's speed ratio, felt as strongly as the
+                # family felt it between the types it did run on (a job bound by its input pipeline
+                # gains little from a faster card, whatever the datasheet says).
+                speeds = self.config.gpu_types
+                runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
+                                                  max(gt.relative_speed, 1e-9)) ** exponent
             elif asked_pred is None or req_type is None:
                 runtime = pred.runtime_s * self.unseen_penalty
             else:
@@ -332,6 +340,18 @@ class ModelDecider:
             table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
                                    pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin))
         return table
+
+    def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float | None:
+        """How strongly the family's speed follows the datasheet: the least-squares slope of its
+        measured log speed (``rate:``, at GPUS) on log relative speed over the types it ran on, in
+        [0, 1]; None with fewer than two types of different datasheet speed."""
+        points = [(math.log(max(t.relative_speed, 1e-9)), -float(fam[f"{RATE}{gpus}x{name}"]))
+                  for name, t in self.config.gpu_types.items() if f"{RATE}{gpus}x{name}" in fam]
+        if len({x for x, _ in points}) < 2:
+            return None
+        mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+        return min(max(slope, 0.0), 1.0)
 
     def _fits(self, peak_mib: float, margin: float, gt: GpuType, sf: Mapping[str, Any], gpus: int,
               asked_shape: bool) -> bool:
@@ -418,7 +438,7 @@ class ModelDecider:
                              self.bundle.history)
         return float(self.bundle.predict(feats, sf).peak_mem_mib)
 
-    def _runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:
+    def runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:
         """Whether the job may move to ``gpu_type`` at all (pipeline/hardware.py): a bf16 job never to
         a card without bf16; an fp32 job from a TF32 card (Ampere and newer) to one without TF32 only
         where its family ran on that type (its speed there is many times the datasheet ratio off)."""
