@@ -248,6 +248,9 @@ def test_the_daemon_records_the_hooks_decisions_and_the_tag_links_the_job(db_url
     (sub,) = stored(db_url, db.Submission.__table__)
     assert (sub["source"], sub["user"], sub["job_id"], sub["model_version"]) == ("lua", "alice", "77", digest)
     assert queries.script_texts(engine) == {(CLUSTER, "77"): hook_job()["script"]}
+    (spool_dir / "sub-again.json").write_text(json.dumps(rec))  # the same record again: linked since, still a copy
+    again = ingest.load_submissions(engine, str(spool_dir))
+    assert (again.files_duplicate, again.files_rejected) == (1, []) and not list(spool_dir.iterdir())
 
 
 def test_a_tag_on_two_jobs_links_neither(tmp_path: Path, spool_dir: Path) -> None:

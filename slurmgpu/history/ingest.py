@@ -563,7 +563,10 @@ def _stored_submissions(conn: Connection, ids: list[str]) -> dict[str, dict[str,
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a[c] == b[c] for c in _SUBMISSION_COLUMNS)
+    """Whether a stored row ``a`` is the record ``b`` again; a hook decision's job (and its cluster) is
+    filled in after it was stored (link_decisions), so a record without one matches either way."""
+    linked = b["source"] == "lua" and b["job_id"] is None
+    return all(a[c] == b[c] for c in _SUBMISSION_COLUMNS if not (linked and c in ("job_id", "cluster")))
 
 
 def _admit_submissions(conn: Connection, items: list[tuple[SpoolFile, dict[str, Any]]], trusted: Collection[int],
