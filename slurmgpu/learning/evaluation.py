@@ -23,7 +23,7 @@ from slurmgpu.learning.censored import INF, memory_interval
 from slurmgpu.learning.train import build_examples, gpu_oom
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.features import rate_keys, script_features
 from slurmgpu.pipeline.policy import Candidate, ModelDecider
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
@@ -50,14 +50,14 @@ def _request(row: Mapping[str, Any], config: Config) -> JobRequest | None:
 
 
 def _measured_rates(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per family, per "<GPUs>x<type>": the median of log(elapsed / (steps x tokens)) of its
-    completed runs there."""
+    """Per family, per shape (``rate_keys``: at a batch, and over all batches): the median of
+    log(elapsed / (steps x tokens)) of its completed runs there."""
     runs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if r["state"] == "COMPLETED" and r.get("elapsed") and r.get("gpu_type"):
             s = r["script"]
-            runs[s["family"]][f"{r['gpus']}x{r['gpu_type']}"].append(
-                math.log(max(r["elapsed"], 1)) - s["log_steps"] - s["log_tokens"])
+            for key in rate_keys(r["gpus"], r["gpu_type"], s["log_tokens"]):
+                runs[s["family"]][key].append(math.log(max(r["elapsed"], 1)) - s["log_steps"] - s["log_tokens"])
     return {fam: {shape: sorted(v)[len(v) // 2] for shape, v in shapes.items()} for fam, shapes in runs.items()}
 
 
@@ -164,8 +164,11 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobReques
     measured. Types the job may not move to (bf16 on a card without it) are left out."""
     types = [t for t in decider.config.gpu_types
              if t == asked[0] or decider.runs_there(sf, asked[0], t)]
-    measured = {t: rate[f"{asked[1]}x{t}"] for t in types if f"{asked[1]}x{t}" in rate}
-    if len(measured) < 2:
+    for at in (0, 1):  # the job's own batch where two types ran it, else the family's batches together
+        measured = {t: rate[key] for t in types if (key := rate_keys(asked[1], t, sf["log_tokens"])[at]) in rate}
+        if len(measured) >= 2:
+            break
+    else:
         return []
     gpu = decider.config.gpu_types.get(asked[0])
     req = {**request.to_json(), "gpu_type": asked[0], "gpus_total": asked[1],

@@ -26,7 +26,7 @@ from slurmgpu.pipeline.bundle import (
     memory_stratum,
 )
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.features import HELD, NUMERIC, RATE, HistoryStats, job_features, script_features
+from slurmgpu.pipeline.features import HELD, NUMERIC, RATE, HistoryStats, job_features, rate_keys, script_features
 
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
@@ -144,10 +144,10 @@ class _Running:
             held = f"{HELD}{row['card_gib']:g}:{row['gpus']}"
             s[held] = max(s.get(held, -INF), row["script"]["log_tokens"])
         if row["state"] == "COMPLETED" and row.get("elapsed"):
-            shape = f"{row['gpus']}x{row['gpu_type']}"
             rate = math.log(max(row["elapsed"], 1)) - row["script"]["log_steps"] - row["script"]["log_tokens"]
-            s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
-            s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
+            for shape in rate_keys(row["gpus"], row["gpu_type"], row["script"]["log_tokens"]):
+                s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
+                s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
         elif row["peak"]:

@@ -227,6 +227,13 @@ HELD = "held:"
 RATE = "rate:"
 
 
+def rate_keys(gpus: int, gpu_type: str, log_tokens: float) -> tuple[str, str]:
+    """The shape a run's speed is filed under: "<GPUs>x<type>@<tokens>", its batch and sequence as
+    run (a type's lead can flip with the batch: a small batch leaves a fast card idle), and the
+    shape over all of the family's batches, "<GPUs>x<type>"."""
+    return f"{gpus}x{gpu_type}@{round(math.exp(log_tokens))}", f"{gpus}x{gpu_type}"
+
+
 class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 

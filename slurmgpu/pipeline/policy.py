@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE
+from slurmgpu.pipeline.features import RATE, rate_keys
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
@@ -312,11 +312,10 @@ class ModelDecider:
         seen = set(fam.get("shapes", ())) | {f"{req_total}x{req_type}"}
         asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
                            if (gt.name, c) == (req_type, req_total)), None)
-        asked_rate = fam.get(f"{RATE}{req_total}x{req_type}")
         table = []
         for (gt, c), pred in zip(shapes, preds, strict=True):
             known = f"{c}x{gt.name}" in seen
-            rate = fam.get(f"{RATE}{c}x{gt.name}")
+            rate, asked_rate = self._measured_rates(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
             if asked_pred is not None and rate is not None and asked_rate is not None:
                 # The family ran both shapes: its own measured speed ratio (time per step and token).
                 runtime = asked_pred.runtime_s * math.exp(rate - asked_rate)
@@ -340,6 +339,19 @@ class ModelDecider:
             table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
                                    pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin))
         return table
+
+    @staticmethod
+    def _measured_rates(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[str | None, int],
+                        log_tokens: float) -> tuple[float | None, float | None]:
+        """The family's measured speeds (``rate:``) on SHAPE and on the ASKED shape, both at this
+        job's batch where it ran both there, else both over all its batches (either may be None)."""
+        for at in (0, 1):  # rate_keys: at the job's tokens first, then over the family's batches
+            new = fam.get(RATE + rate_keys(shape[1], shape[0], log_tokens)[at])
+            old = fam.get(RATE + rate_keys(asked[1], asked[0] or "", log_tokens)[at])
+            if new is not None and old is not None:
+                return float(new), float(old)
+        return (fam.get(RATE + rate_keys(shape[1], shape[0], log_tokens)[1]),
+                fam.get(RATE + rate_keys(asked[1], asked[0] or "", log_tokens)[1]))
 
     def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float | None:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
