@@ -347,3 +347,25 @@ def test_history_features_see_only_jobs_that_ended_before_submission(config) -> 
     assert by_id[third["job_id"]]["x"][fam_n] == (1 if second["submit"] + timedelta(seconds=second["elapsed"])
                                                   <= third["submit"] else 0)
     assert snapshot.family(family)["n"] >= 3  # the bundle's snapshot knows every outcome
+
+
+def test_the_table_shows_each_peak_as_predicted_and_the_margin_its_fit_test_used(trained, config) -> None:
+    """A shape the family never ran is doubted in its fit test, not in the peak shown: every row of
+    ``--explain``'s table is the candidate's own numbers, and fits == peak x (1 + margin) <= card."""
+    from slurmgpu.apps.gsbatch import explain_text
+
+    bundle = trained[0]
+    text = script_for("bert", 16, 1000, "v100").replace("gpu:v100:1", "gpu:v100:2")  # history: 1 GPU only
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
+    d = decide(bundle, config, text)
+    shapes = set(bundle.history.family(script_features(text)["family"]).get("shapes", ()))
+    assert d.per_type and any(f"{c.gpus}x{c.gpu_type}" not in shapes for c in d.per_type)
+    rows = explain_text(request, d).splitlines()
+    for c in d.per_type:
+        card = config.gpu_types[c.gpu_type].memory_gib * 1024
+        assert c.fits == (c.pred_peak_mem_mib * (1 + c.margin) <= card)
+        seen = f"{c.gpus}x{c.gpu_type}" in shapes or (c.gpu_type, c.gpus) == ("v100", 2)
+        assert math.isclose(c.margin, config.policy.memory_margin if seen else
+                            (1 + config.policy.memory_margin) * ModelDecider.unseen_penalty - 1)
+        assert any(r.split()[2:6] == [c.gpu_type, str(c.gpus), "yes" if c.fits else "no",
+                                      f"{c.pred_peak_mem_mib / 1024:.1f}"] and f"{c.margin:.0%}" in r for r in rows)

@@ -131,9 +131,10 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
         lines.append(f"change (component {c.index}): {', '.join(parts)}")
     lines.extend(f"reason: {r}" for r in decision.reasons)
     if decision.per_type:
-        lines.append(f"{'type':>6} {'gpus':>4} {'fits':>4} {'peak GiB':>8} {'runtime':>9} {'wait':>7}")
+        lines.append(f"{'type':>6} {'gpus':>4} {'fits':>4} {'peak GiB':>8} {'margin':>6} {'runtime':>9} {'wait':>7}")
         lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {'yes' if c.fits else 'no':>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
-                     f"{c.pred_runtime_s / 60:>7.0f} m {c.expected_wait_s / 60:>5.0f} m" for c in decision.per_type)
+                     f"{c.margin:>6.0%} {c.pred_runtime_s / 60:>7.0f} m {c.expected_wait_s / 60:>5.0f} m"
+                     for c in decision.per_type)
     if not decision.changed and not decision.refusal:
         lines.append("result: request kept as written")
     return "\n".join("gsbatch: explain: " + line for line in lines)
