@@ -144,3 +144,31 @@ def test_the_gate_keeps_the_installed_model_against_a_worse_or_unevaluated_one(r
     assert hashlib.sha256(installed.read_bytes()).hexdigest() == before
     versions = sorted(installed.parent.glob(f"{installed.stem}-v*.json"))
     assert len(versions) >= 3  # the demo's, and the two candidates kept for the record
+
+
+def test_evaluate_replays_the_deployed_decider_and_judges_it_by_the_history(result: dict) -> None:
+    """`slurmgpu evaluate` on the demo's store: every held-out job with a stored script is replayed,
+    and each move it judges from the history (fits / does not fit) agrees with the workload model's
+    own memory truth, which neither the learner nor the judge saw."""
+    import json
+    import subprocess
+    import sys
+
+    config = result["config"]
+    run = subprocess.run([str(Path(sys.executable).parent / "slurmgpu"), "--config", config.path, "evaluate",
+                          "--test-days", "5", "--json"], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)["decider"]
+    assert r["replayed"] == r["test_jobs"] > 100 and r["changed"] == len(r["moves"]) >= 10
+    assert r["placed_no_fit"] == 0 and r["oom_decided"] <= r["oom_as_asked"]
+    gres_to_catalog = {pool.gres: pool.gpu_type for part in DEFAULT_CLUSTER.partitions for pool in part.pools}
+    jobs = {job.job_id: job for job in result["history"]}
+    judged = 0
+    for move in r["moves"]:
+        gpus, gtype = move["chosen"].split("x")
+        if move["verdict"] != "unknown":
+            judged += 1
+            assert fits(jobs[move["job_id"]], gres_to_catalog[gtype], int(gpus)) == (move["verdict"] == "fits"), move
+    assert judged >= 10
+    assert r["runtime_jobs"] > 100 and 0 < r["runtime_h_decided"] <= r["runtime_h_as_asked"]
+    assert r["memory_jobs"] > 100 and r["memory_under_predicted"] < 0.01

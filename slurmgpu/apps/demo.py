@@ -281,6 +281,6 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
         console.print(shown[1], markup=False, highlight=False, soft_wrap=True)
     console.print(f"\nTry it: SLURMGPU_CONFIG={config_path} .venv/bin/gsbatch --dry-run --explain SCRIPT"
                   f"\n  (the outcome model: SLURMGPU_MODEL={outcomes_path} before it)")
-    return {"metrics": metrics, "plans": plans, "held_back": held_back, "config": config,
+    return {"metrics": metrics, "plans": plans, "held_back": held_back, "history": history, "config": config,
             "outcomes": {"bundle": outcomes, "path": outcomes_path, "metrics": outcome_metrics, "plans": outcome_plans,
                          "bound_check": check, "differ": differ}}

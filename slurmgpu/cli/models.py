@@ -79,8 +79,9 @@ def _fmt(metrics: dict[str, Any]) -> str:
 @click.pass_context
 def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, version: int | None,
                  as_json: bool) -> None:
-    """Evaluate a model on the last N days of history (held out by time): its numbers, and the
-    deployed decider replayed on each held-out job, judged by what the history measured."""
+    """Evaluate a model on the last N days of history (held out by time): its numbers, the deployed
+    decider replayed on each held-out job and judged by what the history measured, and how the
+    decisions this version actually made (recorded by gsbatch and the hook) ended."""
     from slurmgpu.learning import evaluation, registry, train
     from slurmgpu.pipeline.bundle import Bundle
 
@@ -93,11 +94,14 @@ def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, v
     except (OSError, ValueError) as exc:
         fail(InputError(f"model unusable: {exc}", file=path))
     train_rows, test_rows = train.split_by_time(train.history_rows(engine), test_days)
+    from slurmgpu.history.queries import decision_rows
+
+    made = evaluation.recorded(decision_rows(engine, model_version=bundle.digest, limit=1_000_000))
     metrics = {**train.evaluate(bundle, train_rows, test_rows, config), "model_version": bundle.digest,
-               "decider": evaluation.replay(bundle, config, train_rows, test_rows)}
+               "decider": evaluation.replay(bundle, config, train_rows, test_rows), "recorded": made}
     click.echo(json.dumps(metrics, indent=2) if as_json else
                "\n".join([f"model {bundle.digest} ({path})", _fmt(metrics) or "no held-out jobs",
-                          *evaluation.summary(metrics["decider"])]))
+                          *evaluation.summary(metrics["decider"]), *evaluation.recorded_summary(made)]))
 
 
 @click.command("predict", context_settings={"ignore_unknown_options": True})

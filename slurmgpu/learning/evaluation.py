@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from slurmgpu.learning.censored import INF, memory_interval
@@ -72,7 +72,7 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
                            "count_changed": 0, "placed_fits": 0, "placed_no_fit": 0, "placed_unknown": 0,
                            "oom_as_asked": 0, "oom_decided": 0, "runtime_h_as_asked": 0.0,
                            "runtime_h_decided": 0.0, "gpu_h_as_asked": 0.0, "gpu_h_decided": 0.0,
-                           "runtime_jobs": 0, "runtime_unmeasured": 0}
+                           "runtime_jobs": 0, "runtime_unmeasured": 0, "moves": []}
     under: dict[str, list[bool]] = defaultdict(list)
     picks: list[tuple[float | None, float | None]] = []  # (model's pick, datasheet's pick) / best throughput
     for row in test_rows:
@@ -103,6 +103,8 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
                             sharded=float(sf.get("zero", 0.0)) > 0 and chosen[1] < asked[1])
             out[f"placed_{verdict}"] += 1
             out["oom_decided"] += verdict == "no_fit"
+            out["moves"].append({"job_id": row["job_id"], "asked": f"{asked[1]}x{asked[0]}",
+                                 "chosen": f"{chosen[1]}x{chosen[0]}", "verdict": verdict})
         else:
             out["oom_decided"] += oom
         # Run time and GPU-hours, where the history measured both shapes (or the job kept its own).
@@ -185,6 +187,16 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobReques
     return [(relative(model), relative(sheet))]
 
 
+def recorded_summary(r: Mapping[str, Any]) -> list[str]:
+    """One line per source of the recorded decisions' outcomes."""
+    lines = [f"decisions this version made (recorded): {r['decisions']}"]
+    for source, sides in sorted(r["by_source"].items()):
+        for side in ("changed", "kept"):
+            states = ", ".join(f"{n} {state}" for state, n in sorted(sides[side].items()))
+            lines.append(f"  {source}, {side}: {states or 'none'}")
+    return lines
+
+
 def summary(r: Mapping[str, Any]) -> list[str]:
     """The replay in a few lines: every figure is one of ``replay``'s."""
     lines = [f"decider replayed on {r['replayed']} of {r['test_jobs']} held-out jobs (those with a stored script): "
@@ -210,3 +222,15 @@ def summary(r: Mapping[str, Any]) -> list[str]:
                          f"several types, mean {mean:.3f} of the best" if mean is not None else
                          f"  type picked by the {who}: never one the family was measured on")
     return lines
+
+
+def recorded(decisions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the decisions a model version actually made came to (``history.queries.decision_rows``
+    for its digest): per source (gsbatch, lua) and kept or changed, how their jobs ended."""
+    out: dict[str, Any] = {"decisions": len(decisions), "by_source": {}}
+    for d in decisions:
+        side = out["by_source"].setdefault(d["source"] or "gsbatch", {"kept": {}, "changed": {}})
+        states = side["changed" if d["changed"] else "kept"]
+        state = d["state"] or "not in the accounting yet"
+        states[state] = states.get(state, 0) + 1
+    return out
