@@ -19,7 +19,7 @@ from slurmgpu.apps.site import site_decider
 from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
 from slurmgpu.pipeline.config import load_config
-from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.features import job_features, script_features
 from slurmgpu.pipeline.policy import KeepDecider, ModelDecider
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
@@ -369,3 +369,14 @@ def test_the_table_shows_each_peak_as_predicted_and_the_margin_its_fit_test_used
                             (1 + config.policy.memory_margin) * ModelDecider.unseen_penalty - 1)
         assert any(r.split()[2:6] == [c.gpu_type, str(c.gpus), "yes" if c.fits else "no",
                                       f"{c.pred_peak_mem_mib / 1024:.1f}"] and f"{c.margin:.0%}" in r for r in rows)
+
+
+def test_a_history_where_every_job_ran_equally_long_trains_a_constant_runtime(config) -> None:
+    """CatBoost refuses constant targets ("All train targets are equal"); train must not fail on a
+    site whose jobs all ran to the same limit: the runtime model is that constant."""
+    rows = [{**r, "elapsed": 3600} for r in history(300)]
+    bundle, _ = train.fit(rows, config, iterations=50)
+    sf = script_features(script_for("resnet", 16, 1000, "a100"))
+    f = job_features(sf, {"gpus_total": 1, "gpu_type": "a100"}, {"memory_gib": 80.0, "relative_speed": 1.0}, 1,
+                     bundle.history)
+    assert math.isclose(bundle.predict(f, sf).runtime_s, 3600.0)
