@@ -380,3 +380,24 @@ def test_a_history_where_every_job_ran_equally_long_trains_a_constant_runtime(co
     f = job_features(sf, {"gpus_total": 1, "gpu_type": "a100"}, {"memory_gib": 80.0, "relative_speed": 1.0}, 1,
                      bundle.history)
     assert math.isclose(bundle.predict(f, sf).runtime_s, 3600.0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_predictions_grow_with_batch_and_steps_as_physics_says(trained, config, family: str) -> None:
+    """Memory never falls as the batch grows, run time never as the batch or the steps grow, on every
+    card and far beyond the history's batches (monotone trees over a monotone estimate)."""
+    bundle = trained[0]
+    for gtype, gt in config.gpu_types.items():
+        gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
+
+        def pred(batch: int, steps: int) -> tuple[float, float]:
+            sf = script_features(script_for(family, batch, steps, gtype))
+            f = job_features(sf, {"gpus_total": 1, "gpu_type": gtype, "req_gpu_mem_gib": gt.memory_gib}, gpu, 1,
+                             bundle.history)
+            p = bundle.predict(f, sf)
+            return p.peak_mem_mib, p.runtime_s
+
+        by_batch = [pred(b, 1000) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+        assert all(a[0] <= b[0] + 1e-6 and a[1] <= b[1] + 1e-6 for a, b in zip(by_batch, by_batch[1:])), by_batch
+        by_steps = [pred(16, s)[1] for s in (10, 100, 500, 1000, 2000, 10000, 100000)]
+        assert by_steps == sorted(by_steps), by_steps

@@ -221,7 +221,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         fit_part, calib = mem[:cut], mem[cut:]
         progress(f"memory model on {len(fit_part)} jobs with GPU memory, calibrated on {len(calib)}")
         mem_predict, mem_trees = _trees([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part],
-                                        "RMSE", iterations)
+                                        "RMSE", iterations, MONOTONE["memory"])
         # Per stratum, the estimate with the narrower upper quantile on the calibration jobs: the
         # trees' ratio, or the estimate alone (trees fitted across models can carry one model's
         # quirks to another; on published CNN peaks they widened the known families' margin 4x).
@@ -254,7 +254,8 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     progress(f"runtime model on {len(run)} jobs")
 
     def runtime_model(part: list[dict[str, Any]]) -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
-        return _trees([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part], "RMSE", iterations)
+        return _trees([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part], "RMSE", iterations,
+                      MONOTONE["runtime"])
 
     # How far newer jobs ran beyond what a model of older ones predicted: the margin a changed
     # request must keep to its time limit (a median prediction alone times out half the misses).
@@ -275,17 +276,26 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     return bundle, examples
 
 
-def _trees(xs: list[list[float]], ys: list[float], loss: str,
-           iterations: int) -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
-    """CatBoost trees for one target, as a predictor and the bundle's tree format. Targets that are
-    all the same (every job ran exactly as long) are that constant: CatBoost refuses to fit them."""
+# Features the target may only grow with (physics fixes the sign): memory with the batch, sequence,
+# tokens and parameter count; run time with those and the steps. Both are monotone for the trees,
+# so an estimate that grows along them (the line a + b*tokens) still grows after the learned ratio.
+MONOTONE = {"memory": ("batch_size", "seq_len", "log_tokens", "params_b"),
+            "runtime": ("batch_size", "seq_len", "log_tokens", "params_b", "log_steps")}
+
+
+def _trees(xs: list[list[float]], ys: list[float], loss: str, iterations: int,
+           increasing: tuple[str, ...] = ()) -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
+    """CatBoost trees for one target, as a predictor and the bundle's tree format, non-decreasing in
+    the INCREASING features. Targets that are all the same (every job ran exactly as long) are that
+    constant: CatBoost refuses to fit them."""
     from catboost import CatBoostRegressor
 
     if max(ys) - min(ys) < 1e-12:
         return (lambda rows: [ys[0]] * len(rows)), {"trees": [{"splits": [], "leaves": [0.0]}], "scale": 1.0,
                                                      "bias": ys[0]}
     model = CatBoostRegressor(iterations=iterations, depth=6, loss_function=loss, verbose=0,
-                              allow_writing_files=False, thread_count=2, random_seed=0)
+                              allow_writing_files=False, thread_count=2, random_seed=0,
+                              monotone_constraints=[1 if name in increasing else 0 for name in NUMERIC])
     model.fit(xs, ys)
     return (lambda rows: [float(v) for v in model.predict(rows)]), TreeEnsemble.from_catboost(model)
 
