@@ -387,17 +387,28 @@ def test_predictions_grow_with_batch_and_steps_as_physics_says(trained, config, 
     """Memory never falls as the batch grows, run time never as the batch or the steps grow, on every
     card and far beyond the history's batches (monotone trees over a monotone estimate)."""
     bundle = trained[0]
-    for gtype, gt in config.gpu_types.items():
-        gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
 
-        def pred(batch: int, steps: int) -> tuple[float, float]:
-            sf = script_features(script_for(family, batch, steps, gtype))
-            f = job_features(sf, {"gpus_total": 1, "gpu_type": gtype, "req_gpu_mem_gib": gt.memory_gib}, gpu, 1,
-                             bundle.history)
-            p = bundle.predict(f, sf)
-            return p.peak_mem_mib, p.runtime_s
+    def pred(gtype: str, batch: int, steps: int) -> tuple[float, float]:
+        gt = config.gpu_types[gtype]
+        sf = script_features(script_for(family, batch, steps, gtype))
+        f = job_features(sf, {"gpus_total": 1, "gpu_type": gtype, "req_gpu_mem_gib": gt.memory_gib},
+                         {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, 1, bundle.history)
+        p = bundle.predict(f, sf)
+        return p.peak_mem_mib, p.runtime_s
 
-        by_batch = [pred(b, 1000) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
-        assert all(a[0] <= b[0] + 1e-6 and a[1] <= b[1] + 1e-6 for a, b in zip(by_batch, by_batch[1:])), by_batch
-        by_steps = [pred(16, s)[1] for s in (10, 100, 500, 1000, 2000, 10000, 100000)]
+    for gtype in config.gpu_types:
+        by_batch = [pred(gtype, b, 1000) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+        assert all(a[0] <= b[0] + 1e-6 and a[1] <= b[1] + 1e-6
+                   for a, b in zip(by_batch, by_batch[1:], strict=False)), by_batch
+        by_steps = [pred(gtype, 16, s)[1] for s in (10, 100, 500, 1000, 2000, 10000, 100000)]
         assert by_steps == sorted(by_steps), by_steps
+
+
+def test_a_model_change_carries_its_one_reason(trained, config) -> None:
+    """The rules' "fits as asked" is not printed beside a change the model makes (issue 13 item 5): a
+    request the rules leave alone (its type is in its partition) and the model changes has one reason."""
+    changed = [d for d in (decide(trained[0], config, script_for(f, b, 1000, t))
+                           for f in FAMILIES for b in (4, 16) for t in ("v100", "a100")) if d.changes]
+    assert changed
+    for d in changed:
+        assert len(d.reasons) == len(d.changes) == 1 and d.reasons[0].startswith("model"), d.reasons

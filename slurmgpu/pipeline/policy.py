@@ -61,6 +61,9 @@ class Decision(NamedTuple):
 
 
 KEEP = Decision()
+# The rules' reason when they change nothing; not repeated beside a change the model makes (one
+# reason per change).
+FITS_AS_ASKED = "the request fits the partition it asks for"
 
 
 # Whether Slurm would take this component in that partition: None when it would, else why not.
@@ -111,7 +114,7 @@ class RuleDecider:
             if change:
                 changes.append(change)
         if not reasons:
-            reasons.append("the request fits the partition it asks for")
+            reasons.append(FITS_AS_ASKED)
         return Decision(tuple(changes), tuple(reasons), decider=self.name)
 
     def _component(self, comp: ComponentRequest, het: bool) -> tuple[ComponentChange | None, list[str], str | None]:
@@ -288,13 +291,18 @@ class ModelDecider:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type} fits "
                    f"({best.pred_peak_mem_mib / 1024:.1f} GiB, {best.margin:.0%} margin){hint}")
-            return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
+            return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
         why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} predicted to finish in "
                f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
                f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
                f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
                f"{_borderline(best, self.config.gpu_types[best.gpu_type])}")
-        return Decision((change,), (*rule.reasons, why), decider=self.name, per_type=per_type)
+        return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
+
+    @staticmethod
+    def _rule_reasons(rule: Decision) -> tuple[str, ...]:
+        """The rules' reasons that go with a change the model makes: their own changes' reasons."""
+        return tuple(r for r in rule.reasons if r != FITS_AS_ASKED)
 
     def candidates(self, sf: Mapping[str, Any], req: Mapping[str, Any], shapes: list[tuple[GpuType, int]],
                    used: int, free: Mapping[str, int]) -> list[Candidate]:
