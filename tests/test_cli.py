@@ -121,3 +121,16 @@ def test_jobs_table_fits_80_columns_and_wide_shows_every_column(tmp_path: Path) 
     wide = subprocess.run([str(BIN / "slurmgpu"), "--db", url, "jobs", "--wide"], capture_output=True, text=True,
                           env=env, check=False)
     assert "gpu-small" in wide.stdout and "max util %" in wide.stdout
+
+
+def test_evaluate_refuses_a_version_that_is_not_registered(tmp_path: Path) -> None:
+    """`evaluate --version N` scores that version or says it has none: never the installed model."""
+    config = Path(__file__).resolve().parent.parent / "contrib" / "slurmgpu.toml"
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "upgrade").returncode == 0
+    missing = sh(str(BIN / "slurmgpu"), "--config", str(config), "--db", url, "evaluate", "--version", "99")
+    assert missing.returncode == 1 and "--version 99: no such registered model version" in missing.stderr
+    assert "Traceback" not in missing.stderr and missing.stderr.count("\n") == 1
+    both = sh(str(BIN / "slurmgpu"), "--config", str(config), "--db", url, "evaluate", "--version", "1",
+              "--model", str(tmp_path / "m.json"))
+    assert both.returncode == 1 and "give one" in both.stderr

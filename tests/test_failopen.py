@@ -101,6 +101,13 @@ MODEL_FAULTS: dict[str, bytes] = {
     "family-huge-log": _with(lambda d: d["history"].update(families={"f": {"n": 4, "log_peak_max": 1e6,
                                                                             "log_tokens_at_max": 1.0}})),
     "deeply-nested": b"[" * 100_000 + b"]" * 100_000,
+    "huge-offset": _with(lambda d: d["memory"].update(offsets={"3:3": 1e300})),
+    "negative-offset": _with(lambda d: d["memory"].update(default_offset=-1.0)),
+    "offsets-not-table": _with(lambda d: d["memory"].update(offsets=[0.1])),
+    "tree-strata-string": _with(lambda d: d["memory"].update(tree_strata="3:3")),
+    "huge-rate": _with(lambda d: d["history"].update(families={"f": {"n": 4, "rate:1xv100": 800.0}})),
+    "negative-size": _with(lambda d: d["history"].update(families={"f": {"n": 4, "params_b": -1e6, "b": 1.0}})),
+    "arch-unknown-family": _with(lambda d: d["history"].update(archs={"resnetN": ["nowhere"]})),
 }
 
 

@@ -412,3 +412,29 @@ def test_a_model_change_carries_its_one_reason(trained, config) -> None:
     assert changed
     for d in changed:
         assert len(d.reasons) == len(d.changes) == 1 and d.reasons[0].startswith("model"), d.reasons
+
+
+def test_absurd_sizes_in_a_script_neither_crash_training_nor_the_decision(trained, config) -> None:
+    """A user's finished job written with --batch-size 1e200 must not stop the nightly training, and
+    deciding such a job keeps finite numbers (logs are held to a real size)."""
+    text = script_for("resnet", 8, 1000, "v100").replace("--batch-size 8", "--batch-size 1e200") \
+        .replace("--max-steps 1000", "--max-steps 1e300")
+    sf = script_features(text)
+    assert math.isfinite(sf["log_tokens"]) and math.isfinite(sf["log_steps"])
+    rows = history(200)
+    rows[-1] = {**rows[-1], "script": sf}
+    bundle, _ = train.fit(rows, config, iterations=30)
+    d = decide(bundle, config, text)
+    assert d.per_type and all(math.isfinite(c.pred_runtime_s) for c in d.per_type)
+
+
+def test_a_size_beyond_every_sibling_is_never_estimated_below_the_largest() -> None:
+    """Past the largest size measured, the estimate leaves from that size along the fitted slope:
+    a zigzag among smaller sizes cannot pull a larger model below its largest sibling."""
+    from slurmgpu.pipeline.bundle import _along
+
+    for points in ({18: 1000.0, 34: 1100.0, 50: 3000.0}, {18: 3000.0, 34: 1000.0, 50: 3000.0},
+                   {18: 5000.0, 34: 2000.0, 50: 1000.0}):
+        largest = points[max(points)]
+        assert all(_along(points, x) >= largest * (1 - 1e-9) for x in (50.001, 101, 152, 1000))
+        assert math.isclose(_along(points, 34), points[34])

@@ -88,7 +88,14 @@ def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, v
     config = site_config(ctx)
     assert config is not None
     engine = history_engine(ctx)
-    path = model_file or (registry.version_path(engine, version) if version else None) or model_path(ctx)
+    if model_file and version:
+        fail(InputError("--model and --version name two models: give one"))
+    path = model_file or model_path(ctx)
+    if version:
+        found = registry.version_path(engine, version)
+        if found is None:
+            fail(InputError(f"--version {version}: no such registered model version"))
+        path = str(found)
     try:
         bundle = Bundle.load(path)
     except (OSError, ValueError) as exc:

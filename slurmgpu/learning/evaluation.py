@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from slurmgpu.learning.censored import INF, memory_interval
-from slurmgpu.learning.train import build_examples, gpu_oom
+from slurmgpu.learning.train import gpu_oom
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.features import rate_keys, script_features
@@ -66,8 +66,6 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
     """Replay the model decider on TEST_ROWS (it was trained on rows before them) and judge it."""
     decider = ModelDecider(config, bundle, lambda: {}, wait=lambda gpu_type, gpus: 0.0)
     rates = _measured_rates([*train_rows, *test_rows])
-    examples, _ = build_examples([*train_rows, *test_rows], config)
-    oom_of = {e["job_id"]: e["oom"] for e in examples}
     out: dict[str, Any] = {"test_jobs": len(test_rows), "replayed": 0, "changed": 0, "type_changed": 0,
                            "count_changed": 0, "placed_fits": 0, "placed_no_fit": 0, "placed_unknown": 0,
                            "oom_as_asked": 0, "oom_decided": 0, "runtime_h_as_asked": 0.0,
@@ -82,7 +80,7 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
         if request is None or not request.main.gpus_total:
             continue
         out["replayed"] += 1
-        oom = oom_of.get(row["job_id"], gpu_oom(row, config))
+        oom = gpu_oom(row, config)
         sf = script_features(row["text"])
         decision = decider.decide(request)
         asked = (row["gpu_type"], int(row["gpus"]))

@@ -26,7 +26,16 @@ from slurmgpu.pipeline.bundle import (
     memory_stratum,
 )
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.features import HELD, NUMERIC, RATE, HistoryStats, job_features, rate_keys, script_features
+from slurmgpu.pipeline.features import (
+    HELD,
+    NUMERIC,
+    RATE,
+    SCRIPT_NUMERIC,
+    HistoryStats,
+    job_features,
+    rate_keys,
+    script_features,
+)
 
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
@@ -65,7 +74,7 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
                 text = r["comment"][len("script:"):]
             if text is not None:  # the script itself: features as this code reads them
                 feats = script_features(text)
-            if feats is None:
+            if not _well_formed(feats):  # a record from before a feature existed, or a malformed one
                 continue
             measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
             peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
@@ -80,6 +89,18 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
+def _well_formed(feats: Any) -> bool:
+    """Script features as ``script_features`` makes them: a family key, an architecture (or none),
+    and finite numbers for the model's inputs. A user's spool record is checked field by field at
+    ingest; this keeps one from another version of the code from stopping the training."""
+    if not isinstance(feats, dict) or not isinstance(feats.get("family"), str):
+        return False
+    if not isinstance(feats.get("arch"), (str, type(None))):
+        return False
+    numbers = [feats.get(name) for name in (*SCRIPT_NUMERIC, "scale") if name in feats or name != "scale"]
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers)
+
+
 def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
     """Out of GPU memory: Slurm's OUT_OF_MEMORY is about host memory; a GPU OOM is a job whose
     stderr ended with a framework's GPU OOM message (``gpu_oom``, recorded by the collector), or a
@@ -92,6 +113,11 @@ def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
         return True
     card = _gpu(config, row["gpu_type"])["memory_gib"] * 1024
     return row["state"] == "FAILED" and bool(row["peak"]) and card > 0 and row["peak"] >= 0.95 * card
+
+
+# Batch x sequence (or steps) beyond e^100 is no real job (a typo, or a hostile script): its peak
+# would overflow the line's sums of squares, its speed no logarithm of a real one; it stays out of both.
+MAX_FIT_LOG_TOKENS = 100.0
 
 
 class _Running:
@@ -143,14 +169,15 @@ class _Running:
             # "held:<GiB>:<GPUs>": the most tokens (log) a run of this family survived on GPUs that size
             held = f"{HELD}{row['card_gib']:g}:{row['gpus']}"
             s[held] = max(s.get(held, -INF), row["script"]["log_tokens"])
-        if row["state"] == "COMPLETED" and row.get("elapsed"):
+        if row["state"] == "COMPLETED" and row.get("elapsed") and \
+                max(row["script"]["log_tokens"], row["script"]["log_steps"]) <= MAX_FIT_LOG_TOKENS:
             rate = math.log(max(row["elapsed"], 1)) - row["script"]["log_steps"] - row["script"]["log_tokens"]
             for shape in rate_keys(row["gpus"], row["gpu_type"], row["script"]["log_tokens"]):
                 s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
                 s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
-        elif row["peak"]:
+        elif row["peak"] and row["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS:
             tokens = math.exp(row["script"]["log_tokens"])
             lp = math.log(row["peak"])
             s["m"] += 1
@@ -316,12 +343,14 @@ def _size_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> dict[str, l
     gaps: dict[str, list[float]] = {}
     for e in mem:
         script = e["script"]
-        siblings = snapshot.siblings(script)
+        f = dict(zip(NUMERIC, e["x"], strict=True))
+        scale = float(script.get("scale") or f["params_b"])
+        # The size left out, not just the family: the same model run by another command is that size.
+        siblings = [fam for fam in snapshot.siblings(script) if fam.get("scale") != scale]
         if not siblings:
             continue
-        f = dict(zip(NUMERIC, e["x"], strict=True))
         kind = base_kind({}, siblings)
-        estimate = arch_base_mib(f, siblings, float(script.get("scale") or f["params_b"]))
+        estimate = arch_base_mib(f, siblings, scale)
         if estimate:
             stratum = memory_stratum([*e["x"][:_BASE_KIND], kind, *e["x"][_BASE_KIND + 1:]])
             for key in (stratum, f"{stratum}@{script['arch']}"):  # all architectures, and this one's own

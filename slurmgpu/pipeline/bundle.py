@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from slurmgpu.pipeline.features import NUMERIC, HistoryStats, hexdigest, linear_fits, measured
+from slurmgpu.pipeline.features import NUMERIC, RATE, HistoryStats, hexdigest, linear_fits, measured
 
 BUNDLE_VERSION = 1
 MIB = 1024.0
@@ -163,7 +163,8 @@ def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float |
 
 def _along(points: Mapping[float, float], x: float) -> float:
     """A positive quantity at size X from its values at other sizes, on log-log axes: between the
-    nearest sizes when X lies among them, else along the least-squares line (never decreasing)."""
+    nearest sizes when X lies among them, else from the nearest end along the least-squares slope
+    (never decreasing)."""
     xs = sorted(points)
     lx, ly = [math.log(v) for v in xs], [math.log(points[v]) for v in xs]
     at = math.log(x)
@@ -171,8 +172,10 @@ def _along(points: Mapping[float, float], x: float) -> float:
         i = max(j for j in range(len(lx) - 1) if lx[j] <= at)
         return math.exp(ly[i] + (at - lx[i]) / (lx[i + 1] - lx[i]) * (ly[i + 1] - ly[i]))
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    slope = sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
-    return math.exp(min(my + max(slope, 0.0) * (at - mx), 700.0))
+    slope = max(sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx), 0.0)
+    # From the nearest end: a larger size is never estimated below the largest one measured.
+    end = -1 if at > lx[-1] else 0
+    return math.exp(min(ly[end] + slope * (at - lx[end]), 700.0))
 
 
 def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, float]], scale: float) -> float | None:
@@ -192,7 +195,7 @@ def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, float]
     sizes: dict[float, float] = {}
     for fam in siblings:
         base, at = family_base_mib(f, fam), fam.get("scale", 0.0)
-        if base and at > 0:
+        if base and base > 0 and at > 0:
             points[at] = max(points.get(at, 0.0), base)
             sizes[at] = fam.get("params_b", f["params_b"])
     if not points or scale <= 0:
@@ -221,12 +224,22 @@ def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: 
             or analytic_base_mib(f))
 
 
+def _offset(value: Any, where: str) -> float:
+    """A calibrated margin (log): never negative (training never lowers an estimate), at most 20."""
+    v = _number(value, where)
+    if not 0.0 <= v <= 20.0:
+        raise ModelFileError(f"{where}: {v:g} is not a margin (0 to 20)")
+    return v
+
+
 def _no_constant(name: str) -> float:
     raise ModelFileError(f"{name} in the model file: every number must be finite")
 
 
 # Family numbers that are exponentiated (math.exp overflows past ~709) or required by family_base_mib.
 _LOG_FIELDS = ("log_peak_max", "log_tokens_at_max", "log_peak_mean")
+# Sizes and counts: a negative one would make an estimate zero or negative ("fits" everywhere).
+_NON_NEGATIVE = ("n", "params_b", "scale", "tokens_min", "peak_at_tokens_min", "b")
 
 
 def _stats(value: Any, where: str) -> dict[str, Mapping[str, Any]]:
@@ -238,8 +251,10 @@ def _stats(value: Any, where: str) -> dict[str, Mapping[str, Any]]:
             if name == "shapes":
                 if not all(isinstance(s, str) for s in _items(v, f"{here}.shapes")):
                     raise ModelFileError(f"{here}.shapes: expected a list of strings")
-            elif name in _LOG_FIELDS and abs(_number(v, f"{here}.{name}")) > 700:
+            elif (name in _LOG_FIELDS or name.startswith(RATE)) and abs(_number(v, f"{here}.{name}")) > 700:
                 raise ModelFileError(f"{here}.{name}: {v:g} is not a logarithm of any real size")
+            elif name in _NON_NEGATIVE and _number(v, f"{here}.{name}") < 0:
+                raise ModelFileError(f"{here}.{name}: {v:g} is negative")
             else:
                 _number(v, f"{here}.{name}")
         if stats.get("n", 0) >= 1 and stats.get("b", 0.0) <= 0:
@@ -270,9 +285,9 @@ class Bundle:
         self._digest: str | None = None
         self.memory = TreeEnsemble(data.get("memory"), "memory")
         memory = _table(data.get("memory"), "memory")
-        self.memory_offsets = {str(k): _number(v, f"memory.offsets[{k[:20]}]")
+        self.memory_offsets = {str(k): _offset(v, f"memory.offsets[{k[:20]}]")
                                for k, v in _table(memory.get("offsets", {}), "memory.offsets").items()}
-        self.memory_default_offset = _number(memory.get("default_offset", 0.0), "memory.default_offset")
+        self.memory_default_offset = _offset(memory.get("default_offset", 0.0), "memory.default_offset")
         self.memory_tree_strata = frozenset(str(k) for k in _items(memory.get("tree_strata", []), "memory.tree_strata"))
         self.runtime = TreeEnsemble(data.get("runtime"), "runtime")
         history = _table(data.get("history"), "history")

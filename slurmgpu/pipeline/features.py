@@ -163,16 +163,35 @@ def arch_key(model: str | None) -> str | None:
     return _NUMBER.sub("N", name)
 
 
+# Size words in the order of the sizes they name: the place of a model among its siblings when the
+# name gives no number and the table of published sizes does not know it (convnext_tiny..large).
+_SIZE_ORDER = ("tiny", "mini", "small", "base", "medium", "large", "xl", "xxl", "huge", "giant")
+
+
 def name_scale(model: str | None, params_b: float) -> float:
-    """Where a model sits among its architecture's sizes: the number its name gives (resnet152 ->
-    152, vgg19 -> 19: depth, which drives a CNN's activations more closely than its parameter
-    count does), else its parameter count in billions (7b, 350m, bert-large)."""
-    name = _SIZE_IN_NAME.sub("", (model or "").rsplit("/", 1)[-1].lower())
-    if not _SIZE_IN_NAME.search((model or "").lower()) and not _SIZE_WORD.search(name):
-        number = re.search(r"(?<![\d.])(\d+)", name)
-        if number and int(number.group(1)) > 0:
-            return float(number.group(1))
+    """Where a model sits among its architecture's sizes: a size written in its name (7b, 350m) as
+    the parameter count (``params_b``); else the number its name gives (resnet152 -> 152, vgg19 ->
+    19: depth, which drives a CNN's activations more closely than its parameter count does;
+    efficientnet_b0 -> 0.5, below b1); else the rank of its size word (tiny 1 .. giant 10);
+    else the parameter count."""
+    raw = (model or "").rsplit("/", 1)[-1].lower()
+    if _SIZE_IN_NAME.search(raw):
+        return params_b
+    word = _SIZE_WORD.search(raw)
+    if word:
+        return float(_SIZE_ORDER.index(word.group(0)) + 1)
+    number = re.search(r"(?<![\d.])(\d+)", raw)
+    if number:
+        return float(number.group(1)) or 0.5
     return params_b
+
+
+MAX_LOG = 700.0  # beyond this a logarithm is of no real size (and math.exp would overflow)
+
+
+def _log_size(value: float) -> float:
+    """log(value) of a count written in a script, at least 0 and finite whatever was written."""
+    return min(math.log(max(value, 1.0)), MAX_LOG) if value == value else 0.0
 
 
 def _num(text: str | None, default: float) -> float:
@@ -205,7 +224,7 @@ def script_features(script: str) -> dict[str, Any]:
         "params_b": model_size_b(opts.get("model"), command),
         "batch_size": batch,
         "seq_len": seq,
-        "log_tokens": math.log(max(batch * seq, 1.0)),
+        "log_tokens": _log_size(batch * seq),
         "precision_bits": precision,
         "bf16": flags["bf16"],  # not a model input: the decider keeps bf16 jobs on cards that run it
         "lora": flags["lora"],
@@ -214,7 +233,7 @@ def script_features(script: str) -> dict[str, Any]:
         "zero": _num(opts.get("zero"), 0.0) or (float(zero_config.group(1)) if zero_config else
                                                  2.0 if "zero" in lowered or "ds_config" in lowered else 0.0),
         "nproc": _num(opts.get("nproc"), 1.0),
-        "log_steps": math.log(max(steps, 1.0)),
+        "log_steps": _log_size(steps),
     }
 
 
@@ -231,7 +250,7 @@ def rate_keys(gpus: int, gpu_type: str, log_tokens: float) -> tuple[str, str]:
     """The shape a run's speed is filed under: "<GPUs>x<type>@<tokens>", its batch and sequence as
     run (a type's lead can flip with the batch: a small batch leaves a fast card idle), and the
     shape over all of the family's batches, "<GPUs>x<type>"."""
-    return f"{gpus}x{gpu_type}@{round(math.exp(log_tokens))}", f"{gpus}x{gpu_type}"
+    return f"{gpus}x{gpu_type}@{round(math.exp(min(log_tokens, MAX_LOG)))}", f"{gpus}x{gpu_type}"
 
 
 class HistoryStats:
