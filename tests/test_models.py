@@ -437,3 +437,19 @@ def test_a_size_beyond_every_sibling_is_never_estimated_below_the_largest() -> N
         largest = points[max(points)]
         assert all(_along(points, x) >= largest * (1 - 1e-9) for x in (50.001, 101, 152, 1000))
         assert math.isclose(_along(points, 34), points[34])
+
+
+def test_the_gate_puts_the_deployed_decision_first() -> None:
+    """A candidate whose replayed decisions place one more job where it does not fit (or add a GPU
+    OOM) is worse, however much better its memory and runtime figures are; equal decisions fall back
+    to the model figures."""
+    from slurmgpu.learning.registry import worse
+
+    old = {"memory_under_prediction_rate": 0.01, "runtime_mdape": 0.20,
+           "decider": {"placed_no_fit": 0, "oom_decided": 2}}
+    better_numbers = {"memory_under_prediction_rate": 0.0, "runtime_mdape": 0.05}
+    assert worse({**better_numbers, "decider": {"placed_no_fit": 1, "oom_decided": 2}}, old)
+    assert worse({**better_numbers, "decider": {"placed_no_fit": 0, "oom_decided": 3}}, old)
+    assert not worse({**better_numbers, "decider": {"placed_no_fit": 0, "oom_decided": 2}}, old)
+    assert worse({"memory_under_prediction_rate": 0.05, "runtime_mdape": 0.05,
+                  "decider": {"placed_no_fit": 0, "oom_decided": 1}}, old)

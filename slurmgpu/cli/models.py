@@ -39,7 +39,7 @@ def train_cmd(ctx: click.Context, test_days: float, quantile: float, iterations:
             bundle, _ = train.fit(train_rows, config, quantile, iterations, progress=say)
     except ValueError as exc:
         fail(InputError(str(exc)))
-    metrics = train.evaluate(bundle, train_rows, test_rows, config) if test_rows else {}
+    metrics = registry.metrics(bundle, train_rows, test_rows, config) if test_rows else {}
     bundle.data["metrics"] = metrics
     path = model_path(ctx)
     evaluated = metrics.get("memory_under_prediction_rate") is not None or metrics.get("runtime_mdape") is not None
@@ -65,6 +65,10 @@ def _fmt(metrics: dict[str, Any]) -> str:
                      f"{metrics['memory_jobs']} jobs")
     if metrics.get("runtime_mdape") is not None:
         parts.append(f"runtime MdAPE {metrics['runtime_mdape']:.1%} on {metrics['runtime_jobs']} jobs")
+    decided = metrics.get("decider") or {}
+    if decided.get("replayed"):
+        parts.append(f"decisions replayed on {decided['replayed']} jobs: {decided['placed_no_fit']} placed where "
+                     f"they do not fit, {decided['oom_decided']} GPU OOM ({decided['oom_as_asked']} as asked)")
     return ", ".join(parts)
 
 
@@ -107,7 +111,8 @@ def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, v
     metrics = {**train.evaluate(bundle, train_rows, test_rows, config), "model_version": bundle.digest,
                "decider": evaluation.replay(bundle, config, train_rows, test_rows), "recorded": made}
     click.echo(json.dumps(metrics, indent=2) if as_json else
-               "\n".join([f"model {bundle.digest} ({path})", _fmt(metrics) or "no held-out jobs",
+               "\n".join([f"model {bundle.digest} ({path})",
+                          _fmt({k: v for k, v in metrics.items() if k != "decider"}) or "no held-out jobs",
                           *evaluation.summary(metrics["decider"]), *evaluation.recorded_summary(made)]))
 
 

@@ -63,20 +63,35 @@ def version_of(engine: Engine, digest: str) -> dict[str, Any] | None:
     return dict(row._mapping) if row else None
 
 
+def metrics(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
+            config: Config) -> dict[str, Any]:
+    """A model's figures on held-out jobs: its numbers (``train.evaluate``) and its deployed decisions
+    replayed (``evaluation.replay``: placed where it does not fit, OOMs)."""
+    from slurmgpu.learning.evaluation import replay
+    from slurmgpu.learning.train import evaluate
+
+    decided = replay(bundle, config, train_rows, test_rows)
+    return {**evaluate(bundle, train_rows, test_rows, config),
+            "decider": {k: v for k, v in decided.items() if k != "moves"}}
+
+
 def current_metrics(path: str, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
                     config: Config) -> dict[str, Any] | None:
     """The installed model's metrics on the same held-out jobs; None when there is none usable."""
-    from slurmgpu.learning.train import evaluate
-
     try:
         old = Bundle.load(path)
     except (OSError, ValueError, KeyError):
         return None
-    return evaluate(old, train_rows, test_rows, config)
+    return metrics(old, train_rows, test_rows, config)
 
 
 def worse(new: dict[str, Any], old: dict[str, Any]) -> bool:
-    """Memory safety first (more under-predictions is worse), then runtime error."""
+    """The deployed decision first (more jobs placed where they do not fit, or more OOMs, on the same
+    held-out jobs is worse), then memory safety (more under-predictions), then runtime error."""
+    n_dec, o_dec = new.get("decider") or {}, old.get("decider") or {}
+    for key in ("placed_no_fit", "oom_decided"):
+        if n_dec.get(key) is not None and o_dec.get(key) is not None and n_dec[key] > o_dec[key]:
+            return True
     n_mem, o_mem = new.get("memory_under_prediction_rate"), old.get("memory_under_prediction_rate")
     if n_mem is not None and o_mem is not None and n_mem > o_mem + 0.002:
         return True
