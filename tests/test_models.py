@@ -453,3 +453,20 @@ def test_the_gate_puts_the_deployed_decision_first() -> None:
     assert not worse({**better_numbers, "decider": {"placed_no_fit": 0, "oom_decided": 2}}, old)
     assert worse({"memory_under_prediction_rate": 0.05, "runtime_mdape": 0.05,
                   "decider": {"placed_no_fit": 0, "oom_decided": 1}}, old)
+
+
+def test_a_slower_card_never_run_keeps_the_full_datasheet_ratio(config) -> None:
+    """A family that ran on A100 and T4 and did not feel the difference (input-bound) gets that small
+    gain on a faster card it never ran, but a slower card it never ran is never predicted faster
+    than the datasheet ratio says: its time limit is at stake."""
+    rows = [r for r in history(1500) if r["script"]["family"] != script_features(
+        script_for("resnet", 16, 1000, "a100"))["family"] or r["gpu_type"] in ("a100", "t4")]
+    for r in rows:  # resnet runs as fast on a T4 as on an A100 (input-bound: its speed follows no datasheet)
+        if r["script"]["model"] == "resnet50" and r["state"] == "COMPLETED":
+            steps, tokens = math.exp(r["script"]["log_steps"]), math.exp(r["script"]["log_tokens"])
+            r["elapsed"] = int(steps * tokens * 1.5e-6) + 30
+    bundle, _ = train.fit(rows, config, iterations=100)
+    d = decide(bundle, config, script_for("resnet", 16, 1000, "a100"))
+    table = {c.gpu_type: c.pred_runtime_s for c in d.per_type if c.gpus == 1}
+    speed = {name: t.relative_speed for name, t in config.gpu_types.items()}
+    assert table["v100"] >= table["a100"] * speed["a100"] / speed["v100"] * (1 - 1e-9)

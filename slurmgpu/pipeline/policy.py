@@ -330,10 +330,12 @@ class ModelDecider:
             elif known:
                 runtime = pred.runtime_s
             elif asked_pred is not None and asked_rate is not None and c == req_total and req_type and \
+                    gt.relative_speed >= self.config.gpu_types[req_type].relative_speed and \
                     (exponent := self._speed_exponent(fam, c)) is not None:
-                # A type the family never ran on: the datasheet's speed ratio, felt as strongly as the
-                # family felt it between the types it did run on (a job bound by its input pipeline
-                # gains little from a faster card, whatever the datasheet says).
+                # A faster type the family never ran on: the datasheet's speed ratio, felt as strongly
+                # as the family felt it between the types it did run on (a job bound by its input
+                # pipeline gains little from a faster card, whatever the datasheet says). A slower one
+                # keeps the full ratio below: a time limit is at stake (measured: fewer timeouts).
                 speeds = self.config.gpu_types
                 runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
                                                   max(gt.relative_speed, 1e-9)) ** exponent
