@@ -55,6 +55,7 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
             .where(Job.gpu_count > 0, Job.state.in_(USED_STATES), Job.submit_time.is_not(None))
             .order_by(Job.submit_time, Job.job_id))
     out = []
+    read: dict[str, dict[str, Any]] = {}
     with engine.connect() as conn:
         peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
             select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
@@ -72,8 +73,8 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
             text = rec[2] if rec else None  # the script itself (job_scripts), where the record carried it
             if text is None and r["comment"] and r["comment"].startswith("script:"):
                 text = r["comment"][len("script:"):]
-            if text is not None:  # the script itself: features as this code reads them
-                feats = script_features(text)
+            if text is not None:  # the script itself: features as this code reads them (reruns share one)
+                feats = read.get(text) or read.setdefault(text, script_features(text))
             if not _well_formed(feats):  # a record from before a feature existed, or a malformed one
                 continue
             measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
