@@ -19,7 +19,7 @@ from slurmgpu.apps.site import site_decider
 from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
 from slurmgpu.pipeline.config import load_config
-from slurmgpu.pipeline.features import job_features, script_features
+from slurmgpu.pipeline.features import job_features, model_size_b, script_features
 from slurmgpu.pipeline.policy import KeepDecider, ModelDecider
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
@@ -470,3 +470,27 @@ def test_a_slower_card_never_run_keeps_the_full_datasheet_ratio(config) -> None:
     table = {c.gpu_type: c.pred_runtime_s for c in d.per_type if c.gpus == 1}
     speed = {name: t.relative_speed for name, t in config.gpu_types.items()}
     assert table["v100"] >= table["a100"] * speed["a100"] / speed["v100"] * (1 - 1e-9)
+
+
+def test_sizes_of_one_architecture_are_ordered_by_what_their_names_say() -> None:
+    """name_scale places siblings: depth from a CNN's name, a written parameter count, else the rank
+    of a size word (two sizes must never share a place: the estimate would copy one to the other)."""
+    from slurmgpu.pipeline.features import arch_key, name_scale
+
+    for names in (("resnet18", "resnet50", "resnet152"), ("convnext_tiny", "convnext_small", "convnext_base",
+                                                           "convnext_large"),
+                  ("efficientnet_b0", "efficientnet_b1", "efficientnet_b7"), ("opt-125m", "opt-1.3b", "opt-13b")):
+        assert len({arch_key(n) for n in names}) == 1, names
+        scales = [name_scale(n, model_size_b(n, n)) for n in names]
+        assert scales == sorted(scales) and len(set(scales)) == len(scales), (names, scales)
+
+
+def test_malformed_recorded_features_are_left_out_of_training() -> None:
+    """A record written by another version (or by hand) must not stop the nightly training."""
+    from slurmgpu.learning.train import _well_formed
+
+    good = script_features(script_for("resnet", 16, 1000, "a100"))
+    assert _well_formed(good)
+    for bad in ({**good, "scale": "x"}, {**good, "arch": [1]}, {**good, "batch_size": float("nan")},
+                {k: v for k, v in good.items() if k != "log_steps"}, {**good, "family": 3}, [good], None):
+        assert not _well_formed(bad), bad
