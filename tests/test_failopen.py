@@ -108,6 +108,7 @@ MODEL_FAULTS: dict[str, bytes] = {
     "huge-rate": _with(lambda d: d["history"].update(families={"f": {"n": 4, "rate:1xv100": 800.0}})),
     "negative-size": _with(lambda d: d["history"].update(families={"f": {"n": 4, "params_b": -1e6, "b": 1.0}})),
     "arch-unknown-family": _with(lambda d: d["history"].update(archs={"resnetN": ["nowhere"]})),
+    "runtime-upper-not-trees": _with(lambda d: d.update(runtime_upper={"trees": 3})),
 }
 
 

@@ -267,7 +267,8 @@ def _stats(value: Any, where: str) -> dict[str, Mapping[str, Any]]:
 
 class Prediction(NamedTuple):
     peak_mem_mib: float  # per GPU, at the model's quantile
-    runtime_s: float
+    runtime_s: float  # the median
+    runtime_upper_s: float = 0.0  # the 95th percentile (0: a bundle without that model)
 
 
 class Bundle:
@@ -302,6 +303,9 @@ class Bundle:
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
+        # The 95th-percentile run time (quantile trees, log): the time-limit test's margin per job.
+        # Older bundles have none: the single runtime_spread margin stands.
+        self.runtime_upper = TreeEnsemble(data["runtime_upper"], "runtime_upper") if "runtime_upper" in data else None
         # "telemetry": a memory model of measured peaks; "outcomes": none measured, the decider moves
         # a job only to cards its family's outcomes show it holds on (HistoryStats.held_bound_gib).
         self.memory_source = data.get("memory_source", "telemetry")
@@ -353,9 +357,11 @@ class Bundle:
         """Per-GPU peak and runtime of one job (``script``: its script_features) on several shapes."""
         xs = [[f[name] for name in NUMERIC] for f in rows]
         bases = [memory_base_mib(f, script, self.history) for f in rows]
-        return [Prediction(base * math.exp(self.memory_ratio(x, m, script.get("arch"))), math.exp(r))
-                for x, base, m, r in zip(xs, bases, self.memory.predict_many(xs), self.runtime.predict_many(xs),
-                                         strict=True)]
+        uppers = self.runtime_upper.predict_many(xs) if self.runtime_upper is not None else [-math.inf] * len(xs)
+        return [Prediction(base * math.exp(self.memory_ratio(x, m, script.get("arch"))), math.exp(r),
+                           math.exp(min(u, 700.0)))
+                for x, base, m, r, u in zip(xs, bases, self.memory.predict_many(xs), self.runtime.predict_many(xs),
+                                            uppers, strict=True)]
 
     def memory_ratio(self, x: Sequence[float], trees: float, arch: str | None = None) -> float:
         """Log of peak / estimate for the job's stratum (``memory_stratum``): the trees' ratio where

@@ -36,6 +36,10 @@ class Candidate(NamedTuple):
     pred_runtime_s: float
     expected_wait_s: float
     margin: float = 0.0  # the fit test: pred_peak_mem_mib * (1 + margin) within the card
+    # The time-limit test of a move (pipeline/policy.py ModelDecider._in_time): pred_runtime_s times
+    # this, or the bundle's one margin if larger, within the limit. The bundle's 95th-percentile run
+    # time of the job on this shape over its median: wider where jobs like it run less predictably.
+    runtime_margin: float = 1.0
 
 
 class Decision(NamedTuple):
@@ -323,6 +327,7 @@ class ModelDecider:
         table = []
         for (gt, c), pred in zip(shapes, preds, strict=True):
             known = f"{c}x{gt.name}" in seen
+            runtime_margin = max(pred.runtime_upper_s / max(pred.runtime_s, 1e-9), 1.0)
             rate, asked_rate = self._measured_rates(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
             if asked_pred is not None and rate is not None and asked_rate is not None:
                 # The family ran both shapes: its own measured speed ratio (time per step and token).
@@ -347,7 +352,8 @@ class ModelDecider:
             margin = (1 + policy.memory_margin) * (1.0 if known else self.unseen_penalty) - 1
             asked_shape = c == req_total and (req_type is None or gt.name == req_type)
             table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
-                                   pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin))
+                                   pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin,
+                                   runtime_margin))
         return table
 
     @staticmethod
@@ -496,10 +502,14 @@ class ModelDecider:
     def _in_time(self, c: Candidate, baseline: Candidate, limit_s: int | None) -> bool:
         """A change must not push the job past its own time limit (it would be killed): the predicted
         runtime with the margin newer jobs overran their predictions by (the bundle's runtime
-        spread), at least ``scaling_factor``."""
+        spread), at least ``scaling_factor``, and, for a job that fits as asked, at least the job's own
+        95th-percentile margin (``Candidate.runtime_margin``). A job predicted not to fit as asked
+        would fail for sure: its move keeps the bundle's margin alone (measured: with the job's own
+        margin there, such jobs lost their only move and GPU OOMs rose from 251 to 273)."""
         if limit_s is None or c == baseline:
             return True
-        margin = max(self.config.policy.scaling_factor, math.exp(getattr(self.bundle, "runtime_spread", 0.0)))
+        margin = max(self.config.policy.scaling_factor, math.exp(getattr(self.bundle, "runtime_spread", 0.0)),
+                     c.runtime_margin if baseline.fits else 1.0)
         return c.pred_runtime_s * margin <= limit_s
 
     def _mem_gib(self, gtype: str | None) -> float:
