@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):
             item.fixturenames.insert(0, "slurm_cluster")  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def submitted() -> Iterator[list[str]]:
+    """Job ids a live test submits (usually held); cancelled when the test ends, pass or fail."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], check=False)
 
 
 @pytest.fixture

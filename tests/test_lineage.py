@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -344,17 +343,9 @@ def _merge(before: ingest.Report, sacct_run: ingest.Report) -> ingest.Report:
     return sacct_run
 
 
-@pytest.fixture
-def cancel() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], check=False)
-
-
 @pytest.mark.slurm
 def test_gsbatch_on_the_cluster_stores_the_script_once_with_the_model_version(model_file: Path, tmp_path: Path,
-                                                                             cancel: list[str]) -> None:
+                                                                             submitted: list[str]) -> None:
     config = tmp_path / "slurmgpu.toml"
     config.write_text(SAMPLE.read_text().replace('decider = "rules"', 'decider = "model"', 1))
     script = tmp_path / "train.sh"
@@ -370,32 +361,32 @@ def test_gsbatch_on_the_cluster_stores_the_script_once_with_the_model_version(mo
         res = subprocess.run(["gsbatch", "--hold", "--parsable", "--chdir=/tmp", str(script)], capture_output=True,
                              text=True, cwd=tmp_path, env=env, timeout=60, check=False)
         assert res.returncode == 0, res.stderr
-        cancel.append(res.stdout.strip().split(";")[0])
+        submitted.append(res.stdout.strip().split(";")[0])
     comments = [subprocess.run(["scontrol", "-o", "show", "job", j], capture_output=True, text=True,
-                               check=True).stdout.split(" Comment=")[1].split()[0] for j in cancel]
+                               check=True).stdout.split(" Comment=")[1].split()[0] for j in submitted]
     assert all(c.startswith("slurmgpu:d=") and ";m=model" in c for c in comments), comments
-    subprocess.run(["scontrol", "release", *cancel], check=True)  # held jobs are not in sacct's time window
-    _wait_ended(cancel)
+    subprocess.run(["scontrol", "release", *submitted], check=True)  # held jobs are not in sacct's time window
+    _wait_ended(submitted)
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)
-    report = _ingest_live(url, str(subs), since, cancel)
+    report = _ingest_live(url, str(subs), since, submitted)
     assert report.files_loaded == 2 and not report.files_rejected, report.summary()
 
     (kept,) = stored(url, db.JobScript.__table__)
     assert kept["sha256"] == sha(script.read_bytes()) and kept["text"].encode() == script.read_bytes()
     digest = Bundle.load(str(model_file)).digest
     subs_rows = stored(url, db.Submission.__table__)
-    assert sorted(r["job_id"] for r in subs_rows) == sorted(cancel)
+    assert sorted(r["job_id"] for r in subs_rows) == sorted(submitted)
     assert {(r["source"], r["decider"], r["model_version"], r["script_sha256"]) for r in subs_rows} == {
         ("gsbatch", "model", digest, kept["sha256"])}
     engine = db.make_engine(url)
     with engine.connect() as conn:
-        for j in cancel:  # the job's comment tag names the submission's decision
+        for j in submitted:  # the job's comment tag names the submission's decision
             got = ingest.decision_of_job(conn, CLUSTER, j)
             assert got and got["job_id"] == j, (j, [(r["job_id"], r["state"], r["user"], r["comment"], r["decision_id"])
-                                                    for r in stored(url, db.Job.__table__) if r["job_id"] in cancel],
+                                                    for r in stored(url, db.Job.__table__) if r["job_id"] in submitted],
                                                 [(r["job_id"], r["decision_id"]) for r in subs_rows])
-    assert queries.script_texts(engine) == {(CLUSTER, j): script.read_text() for j in cancel}
+    assert queries.script_texts(engine) == {(CLUSTER, j): script.read_text() for j in submitted}
 
 
 @pytest.mark.slurm

@@ -10,7 +10,6 @@ import pwd
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 
@@ -335,20 +334,12 @@ def batch_script(job_id: str) -> bytes:
                           check=True).stdout
 
 
-@pytest.fixture
-def held() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], check=False)
-
-
 @pytest.mark.slurm
 @pytest.mark.parametrize("directives", [
     "#SBATCH -p gpu-small\n#SBATCH --gres=gpu:a100:2",  # rules: moved to gpu
     "#SBATCH --gres=gpu:1\n#SBATCH --constraint=v100",  # rules: made typed
 ])
-def test_advise_mode_on_the_live_cluster_is_plain_sbatch(tmp_path: Path, held: list[str], directives: str) -> None:
+def test_advise_mode_on_the_live_cluster_is_plain_sbatch(tmp_path: Path, submitted: list[str], directives: str) -> None:
     """The same script submitted held with plain sbatch and with gsbatch in advise mode: slurmctld
     stores byte-identical scripts with the same TRES and partition; the record holds the decision."""
     script = tmp_path / "advise-mode.sh"
@@ -363,7 +354,7 @@ def test_advise_mode_on_the_live_cluster_is_plain_sbatch(tmp_path: Path, held: l
                              cwd=tmp_path, env=env, timeout=60, check=False)
         assert res.returncode == 0, res.stderr
         ids.append(res.stdout.strip().split(";")[0])
-        held.append(ids[-1])
+        submitted.append(ids[-1])
         if argv == ["gsbatch"]:
             assert re.fullmatch(r"gsbatch: advice: .*; submitted as written\n", res.stderr), res.stderr
     plain, advised = (scontrol_job(i) for i in ids)

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,14 +39,6 @@ def job_id_of(stdout: str) -> str:
     m = re.fullmatch(r"Submitted batch job (\d+)\n|(\d+)\n", stdout)
     assert m, stdout
     return m.group(1) or m.group(2)
-
-
-@pytest.fixture
-def submitted() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], check=False)
 
 
 def script(tmp_path: Path, name: str, directives: str) -> Path:
