@@ -23,7 +23,7 @@ from slurmgpu.learning.censored import INF, memory_interval
 from slurmgpu.learning.train import gpu_oom
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.features import rate_keys, script_features
+from slurmgpu.pipeline.features import log_rate, rate_keys
 from slurmgpu.pipeline.policy import Candidate, ModelDecider
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
@@ -57,7 +57,7 @@ def _measured_rates(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         if r["state"] == "COMPLETED" and r.get("elapsed") and r.get("gpu_type"):
             s = r["script"]
             for key in rate_keys(r["gpus"], r["gpu_type"], s["log_tokens"]):
-                runs[s["family"]][key].append(math.log(max(r["elapsed"], 1)) - s["log_steps"] - s["log_tokens"])
+                runs[s["family"]][key].append(log_rate(r["elapsed"], s))
     return {fam: {shape: sorted(v)[len(v) // 2] for shape, v in shapes.items()} for fam, shapes in runs.items()}
 
 
@@ -81,7 +81,7 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
             continue
         out["replayed"] += 1
         oom = gpu_oom(row, config)
-        sf = script_features(row["text"])
+        sf = row["script"]  # history_rows read it from this very text
         decision = decider.decide(request)
         asked = (row["gpu_type"], int(row["gpus"]))
         change = decision.changes[0] if decision.changes and not decision.refusal else None

@@ -33,8 +33,10 @@ from slurmgpu.pipeline.features import (
     SCRIPT_NUMERIC,
     HistoryStats,
     job_features,
+    log_rate,
     rate_keys,
     script_features,
+    size_scale,
 )
 
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
@@ -98,7 +100,7 @@ def _well_formed(feats: Any) -> bool:
         return False
     if not isinstance(feats.get("arch"), (str, type(None))):
         return False
-    numbers = [feats.get(name) for name in (*SCRIPT_NUMERIC, "scale") if name in feats or name != "scale"]
+    numbers = [feats.get(name) for name in SCRIPT_NUMERIC] + ([feats["scale"]] if "scale" in feats else [])
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers)
 
 
@@ -163,7 +165,7 @@ class _Running:
                                                     "tp", "tmin", "pmin"), 0.0))
         s["n"] += 1
         s["params_b"] = float(row["script"]["params_b"])
-        s["scale"] = float(row["script"].get("scale") or row["script"]["params_b"])
+        s["scale"] = size_scale(row["script"])
         s[f"shape:{row['gpus']}x{row['gpu_type']}"] = 1.0  # the GPU counts and types it ran on
         interval = memory_interval(row, row.get("card_gib", 0.0) * 1024)
         if interval is not None and interval[1] != INF and row.get("card_gib"):
@@ -172,7 +174,7 @@ class _Running:
             s[held] = max(s.get(held, -INF), row["script"]["log_tokens"])
         if row["state"] == "COMPLETED" and row.get("elapsed") and \
                 max(row["script"]["log_tokens"], row["script"]["log_steps"]) <= MAX_FIT_LOG_TOKENS:
-            rate = math.log(max(row["elapsed"], 1)) - row["script"]["log_steps"] - row["script"]["log_tokens"]
+            rate = log_rate(row["elapsed"], row["script"])
             for shape in rate_keys(row["gpus"], row["gpu_type"], row["script"]["log_tokens"]):
                 s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
                 s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
@@ -262,8 +264,9 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         offsets, tree_strata = {}, []
         for k, (with_trees, alone) in gaps.items():
             if len(alone) >= MIN_STRATUM:
-                offsets[k] = min(_upper(quantile, with_trees), _upper(quantile, alone))
-                if _upper(quantile, with_trees) < _upper(quantile, alone):
+                trees_upper, alone_upper = _upper(quantile, with_trees), _upper(quantile, alone)
+                offsets[k] = min(trees_upper, alone_upper)
+                if trees_upper < alone_upper:
                     tree_strata.append(k)
         # Sizes of a model never run (strata 1, 2) are rare among the newest jobs: their margin comes
         # from leaving each size of an architecture out and estimating it from the others.
@@ -281,8 +284,9 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         memory, source = {"trees": [{"splits": [], "leaves": [0.0]}], "scale": 1.0, "bias": 0.0}, "outcomes"
     progress(f"runtime model on {len(run)} jobs")
 
-    def runtime_model(part: list[dict[str, Any]]) -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
-        return _trees([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part], "RMSE", iterations,
+    def runtime_model(part: list[dict[str, Any]],
+                      loss: str = "RMSE") -> tuple[Callable[[list[list[float]]], list[float]], dict[str, Any]]:
+        return _trees([e["x"] for e in part], [math.log(max(e["elapsed"], 1)) for e in part], loss, iterations,
                       MONOTONE["runtime"])
 
     # How far newer jobs ran beyond what a model of older ones predicted: the margin a changed
@@ -296,8 +300,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     # The run time a job stays under 95 times in 100, given what it is (quantile trees, log): the
     # time-limit test of a move uses its ratio to the median, not only one margin for every job
     # (measured on the scenario: timeouts 128 -> 121 and 159 -> 155, failures 379 -> 372, 344 -> 340).
-    _, upper_trees = _trees([e["x"] for e in run], [math.log(max(e["elapsed"], 1)) for e in run],
-                            "Quantile:alpha=0.95", iterations, MONOTONE["runtime"])
+    _, upper_trees = runtime_model(run, "Quantile:alpha=0.95")
     bundle = Bundle({
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": memory, "memory_source": source,
@@ -350,7 +353,7 @@ def _size_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> dict[str, l
     for e in mem:
         script = e["script"]
         f = dict(zip(NUMERIC, e["x"], strict=True))
-        scale = float(script.get("scale") or f["params_b"])
+        scale = size_scale(script)
         # The size left out, not just the family: the same model run by another command is that size.
         siblings = [fam for fam in snapshot.siblings(script) if fam.get("scale") != scale]
         if not siblings:

@@ -17,7 +17,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from slurmgpu.pipeline.features import NUMERIC, RATE, HistoryStats, hexdigest, linear_fits, measured
+from slurmgpu.pipeline.features import (
+    NUMERIC,
+    RATE,
+    HistoryStats,
+    hexdigest,
+    linear_fits,
+    measured,
+    size_scale,
+    slope,
+)
 
 BUNDLE_VERSION = 1
 MIB = 1024.0
@@ -171,11 +180,10 @@ def _along(points: Mapping[float, float], x: float) -> float:
     if lx[0] <= at <= lx[-1]:
         i = max(j for j in range(len(lx) - 1) if lx[j] <= at)
         return math.exp(ly[i] + (at - lx[i]) / (lx[i + 1] - lx[i]) * (ly[i + 1] - ly[i]))
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    slope = max(sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx), 0.0)
+    rise = max(slope(zip(lx, ly, strict=True)), 0.0)
     # From the nearest end: a larger size is never estimated below the largest one measured.
     end = -1 if at > lx[-1] else 0
-    return math.exp(min(ly[end] + slope * (at - lx[end]), 700.0))
+    return math.exp(min(ly[end] + rise * (at - lx[end]), 700.0))
 
 
 def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, float]], scale: float) -> float | None:
@@ -219,9 +227,8 @@ def memory_stratum(x: Sequence[float]) -> str:
 def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: HistoryStats) -> float:
     """The estimate the memory model's learned ratio multiplies (``base_kind`` in the features says
     which): the family's own peaks, else its architecture's other sizes, else the analytic prior."""
-    scale = float(script.get("scale") or f["params_b"])
-    return (family_base_mib(f, history.family(script["family"])) or arch_base_mib(f, history.siblings(script), scale)
-            or analytic_base_mib(f))
+    return (family_base_mib(f, history.family(script["family"]))
+            or arch_base_mib(f, history.siblings(script), size_scale(script)) or analytic_base_mib(f))
 
 
 def _offset(value: Any, where: str) -> float:

@@ -189,7 +189,7 @@ def name_scale(model: str | None, params_b: float) -> float:
 MAX_LOG = 700.0  # beyond this a logarithm is of no real size (and math.exp would overflow)
 
 
-def _log_size(value: float) -> float:
+def log_size(value: float) -> float:
     """log(value) of a count written in a script, at least 0 and finite whatever was written."""
     return min(math.log(max(value, 1.0)), MAX_LOG) if value == value else 0.0
 
@@ -215,16 +215,17 @@ def script_features(script: str) -> dict[str, Any]:
     # Generation jobs run one step per new token of every batch.
     steps = (_num(opts.get("steps"), 0.0) or _num(opts.get("epochs"), 1.0) * 1000.0) * _num(opts.get("new_tokens"), 1.0)
     zero_config = re.search(r"zero[_-]?(?:stage)?[_-]?(\d)", opts.get("deepspeed", ""), re.IGNORECASE)
+    params_b = model_size_b(opts.get("model"), command)
     return {
         "family": family_key(command),
         "launcher": next((w.rsplit("/", 1)[-1] for w in words if w.rsplit("/", 1)[-1] in LAUNCHERS), "other"),
         "model": (opts.get("model") or "").rsplit("/", 1)[-1].lower() or None,
         "arch": arch_key(opts.get("model")),
-        "scale": name_scale(opts.get("model"), model_size_b(opts.get("model"), command)),
-        "params_b": model_size_b(opts.get("model"), command),
+        "scale": name_scale(opts.get("model"), params_b),
+        "params_b": params_b,
         "batch_size": batch,
         "seq_len": seq,
-        "log_tokens": _log_size(batch * seq),
+        "log_tokens": log_size(batch * seq),
         "precision_bits": precision,
         "bf16": flags["bf16"],  # not a model input: the decider keeps bf16 jobs on cards that run it
         "lora": flags["lora"],
@@ -233,7 +234,7 @@ def script_features(script: str) -> dict[str, Any]:
         "zero": _num(opts.get("zero"), 0.0) or (float(zero_config.group(1)) if zero_config else
                                                  2.0 if "zero" in lowered or "ds_config" in lowered else 0.0),
         "nproc": _num(opts.get("nproc"), 1.0),
-        "log_steps": _log_size(steps),
+        "log_steps": log_size(steps),
     }
 
 
@@ -244,6 +245,24 @@ HELD = "held:"
 # seconds / (steps x tokens)), its measured speed there; the decider compares shapes the family ran
 # on by these, not by the datasheet.
 RATE = "rate:"
+
+
+def log_rate(elapsed_s: float, script_feats: Mapping[str, Any]) -> float:
+    """A run's measured speed as filed under ``rate:``: log(elapsed seconds / (steps x tokens))."""
+    return math.log(max(elapsed_s, 1)) - script_feats["log_steps"] - script_feats["log_tokens"]
+
+
+def size_scale(script_feats: Mapping[str, Any]) -> float:
+    """The job's place among its architecture's sizes (``name_scale``; the parameter count for
+    features recorded before there was a scale)."""
+    return float(script_feats.get("scale") or script_feats["params_b"])
+
+
+def slope(points: Iterable[tuple[float, float]]) -> float:
+    """The least-squares slope of y on x over POINTS (at least two different x)."""
+    pts = list(points)
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
 def rate_keys(gpus: int, gpu_type: str, log_tokens: float) -> tuple[str, str]:

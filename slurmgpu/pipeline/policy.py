@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE, rate_keys
+from slurmgpu.pipeline.features import RATE, log_size, rate_keys, slope
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
@@ -251,7 +251,7 @@ class ModelDecider:
                 # only counts the user's unit can say: 3 GPUs over 2 tasks is no --gpus-per-task value
                 shapes.extend((self.config.gpu_types[gtype], c) for c in counts
                               if c % comp.multiplier(comp.gpus[0].per) == 0)
-        seen = set(self.bundle.history.family(sf["family"]).get("shapes", ())) | {f"{req_total}x{req_type}"}
+        seen = self._seen(sf["family"], req_type, req_total)
         table = self.candidates(sf, req, shapes, min(need or req_total, req_total), free)
         per_type = tuple(table)
         if fam_n < policy.min_history:
@@ -314,14 +314,13 @@ class ModelDecider:
         request ``req``) on each shape, and whether it fits. ``used``: the fewest GPUs the launch uses."""
         from slurmgpu.pipeline.features import job_features
 
-        policy = self.config.policy
         req_type, req_total = req.get("gpu_type"), int(req.get("gpus_total") or 0)
         rows = [job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, c,
                              self.bundle.history) for gt, c in shapes]
         preds = self.bundle.predict_many(rows, sf)
         # A type or count the family never ran on is a prediction from other families: doubt it more.
         fam = self.bundle.history.family(sf["family"])
-        seen = set(fam.get("shapes", ())) | {f"{req_total}x{req_type}"}
+        seen = self._seen(sf["family"], req_type, req_total)
         asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
                            if (gt.name, c) == (req_type, req_total)), None)
         table = []
@@ -349,7 +348,7 @@ class ModelDecider:
             else:
                 runtime = self._plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
                                                   gt.name, c, used)
-            margin = (1 + policy.memory_margin) * (1.0 if known else self.unseen_penalty) - 1
+            margin = self._memory_margin(known)
             asked_shape = c == req_total and (req_type is None or gt.name == req_type)
             table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
                                    pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin,
@@ -365,9 +364,8 @@ class ModelDecider:
             new = fam.get(RATE + rate_keys(shape[1], shape[0], log_tokens)[at])
             old = fam.get(RATE + rate_keys(asked[1], asked[0] or "", log_tokens)[at])
             if new is not None and old is not None:
-                return float(new), float(old)
-        return (fam.get(RATE + rate_keys(shape[1], shape[0], log_tokens)[1]),
-                fam.get(RATE + rate_keys(asked[1], asked[0] or "", log_tokens)[1]))
+                break
+        return new, old
 
     def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float | None:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
@@ -377,9 +375,16 @@ class ModelDecider:
                   for name, t in self.config.gpu_types.items() if f"{RATE}{gpus}x{name}" in fam]
         if len({x for x, _ in points}) < 2:
             return None
-        mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
-        slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-        return min(max(slope, 0.0), 1.0)
+        return min(max(slope(points), 0.0), 1.0)
+
+    def _seen(self, family: str, req_type: str | None, req_total: int) -> set[str]:
+        """The shapes ("<GPUs>x<type>") the family ran on, and the one asked for."""
+        return set(self.bundle.history.family(family).get("shapes", ())) | {f"{req_total}x{req_type}"}
+
+    def _memory_margin(self, known: bool) -> float:
+        """The fit test's margin over a predicted peak: ``memory_margin``, doubted by
+        ``unseen_penalty`` on a shape the family never ran."""
+        return (1 + self.config.policy.memory_margin) * (1.0 if known else self.unseen_penalty) - 1
 
     def _fits(self, peak_mib: float, margin: float, gt: GpuType, sf: Mapping[str, Any], gpus: int,
               asked_shape: bool) -> bool:
@@ -407,14 +412,13 @@ class ModelDecider:
         def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:
             """Predicted peak and the margin its fit test uses (as in the table)."""
             pred = self.bundle.predict(job_features(feats, req, gpu, gpus, self.bundle.history), feats)
-            doubt = 1.0 if f"{gpus}x{gt.name}" in seen else self.unseen_penalty
-            return float(pred.peak_mem_mib), (1 + self.config.policy.memory_margin) * doubt - 1
+            return float(pred.peak_mem_mib), self._memory_margin(f"{gpus}x{gt.name}" in seen)
 
         batch = int(sf["batch_size"])
         words = main_command(command_lines(request.script.text if request.script else "")).split()
         if batch > 1 and "batch_size" in option_values(words):
             def at(b: int) -> tuple[bool, float]:
-                feats = {**sf, "batch_size": float(b), "log_tokens": math.log(max(b * float(sf["seq_len"]), 1.0))}
+                feats = {**sf, "batch_size": float(b), "log_tokens": log_size(b * float(sf["seq_len"]))}
                 p, margin = peak(feats, baseline.gpus)
                 return self._fits(p, margin, gt, feats, baseline.gpus, True), p
 
