@@ -272,6 +272,11 @@ def _stats(value: Any, where: str) -> dict[str, Mapping[str, Any]]:
     return out
 
 
+def _digest(data: bytes) -> str:
+    """A bundle file's version name: the first 12 hex digits of its bytes' sha256."""
+    return hexdigest("sha256", data)[:12]
+
+
 class Prediction(NamedTuple):
     peak_mem_mib: float  # per GPU, at the model's quantile
     runtime_s: float  # the median
@@ -327,7 +332,7 @@ class Bundle:
         """Which model made a decision (lineage): the first 12 hex digits of the sha256 of the
         bundle file's bytes (what ``save`` writes), so a version is named the same everywhere."""
         if self._digest is None:
-            self._digest = hexdigest("sha256", self._bytes())[:12]
+            self._digest = _digest(self._bytes())
         return self._digest
 
     def _bytes(self) -> bytes:
@@ -340,7 +345,7 @@ class Bundle:
             data = fh.read()
         try:
             bundle = cls(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
-            bundle._digest = hexdigest("sha256", data)[:12]
+            bundle._digest = _digest(data)
             return bundle
         except UnicodeDecodeError as exc:
             raise ModelFileError(f"not UTF-8 text at byte {exc.start}") from None
@@ -355,7 +360,7 @@ class Bundle:
 
         data = self._bytes()
         atomic_write(path, data, 0o644)
-        self._digest = hexdigest("sha256", data)[:12]  # data may have changed since the last digest
+        self._digest = _digest(data)  # data may have changed since the last digest
 
     def predict(self, f: Mapping[str, float], script: Mapping[str, Any]) -> Prediction:
         return self.predict_many([f], script)[0]
