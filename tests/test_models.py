@@ -515,3 +515,23 @@ def test_a_move_keeps_the_jobs_own_runtime_margin_to_its_time_limit(trained, con
                     c = next(c for c in d.per_type if c.gpu_type == d.changes[0].gpu_type and c.gpus == 1)
                     assert c.pred_runtime_s * c.runtime_margin <= limit_h * 3600, (c, d.reasons)
     assert min(margins) >= 1.0 and max(margins) > 1.0 and moved >= 1
+
+
+def test_a_job_moves_to_another_partition_only_when_the_admin_allows_it_and_slurm_admits_it(trained, config) -> None:
+    """v100 and a100 (partition gpu) busy, t4 free in gpu-small: the move needs ``move_partitions``
+    and Slurm's rules for the other partition; unknown or refusing rules keep it home."""
+    from slurmgpu.pipeline.rewrite import apply
+
+    request = build_request(parse_script(script_for("resnet", 16, 1000, "v100").encode(), "job.sh"), [], {},
+                            config.gpu_features())
+    moving = config._replace(policy=config.policy._replace(move_partitions=True))
+
+    def decide_with(cfg, admits):
+        return ModelDecider(cfg, trained[0], lambda: {"a100": 0, "v100": 0, "t4": 4}, "ann", admits).decide(request)
+
+    d = decide_with(moving, lambda name, comp: None)
+    assert d.changed and (d.changes[0].gpu_type, d.changes[0].partition) == ("t4", "gpu-small"), d.reasons
+    assert "#SBATCH --partition=gpu-small\n" in (apply(request, d).script_text or "")
+    for kept in (decide_with(config, lambda name, comp: None), decide_with(moving, None),
+                 decide_with(moving, lambda name, comp: "AllowAccounts" if name == "gpu-small" else None)):
+        assert all(change.partition in (None, "gpu") for change in kept.changes), kept.reasons

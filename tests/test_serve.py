@@ -670,3 +670,27 @@ def test_a_large_request_is_answered_by_a_worker_and_in_order(rules: Config, soc
         replies = exchange(sock, big, b'{"op": "health"}\n', big)
     assert [r and r["ok"] for r in replies] == [True, True, True]
     assert replies[0]["decision"]["apply"] == {"partition": "gpu"} and "uptime_s" in replies[1]
+
+
+@pytest.mark.slurm
+def test_gsbatch_in_process_moves_partitions_only_with_the_live_clusters_rules(bundle: Bundle, tmp_path: Path) -> None:
+    """With ``move_partitions``, gsbatch's own decider asks Slurm (scontrol) which partitions admit
+    the job; without it, it is given no rules and moves nothing across partitions."""
+    from test_gsbatch import Recorder
+    from test_models import script_for
+
+    from slurmgpu.apps import site
+
+    model = tmp_path / "model.json"
+    bundle.save(str(model))
+    env = {"SLURMGPU_MODEL": str(model), "USER": "root", "XDG_CACHE_HOME": str(tmp_path)}
+    text = script_for("resnet", 16, 1000, "v100").replace("#SBATCH -t", "#SBATCH --nodelist=gpu1\n#SBATCH -t")
+    moving = with_model(load_config(SAMPLE))
+    moving = moving._replace(policy=moving.policy._replace(move_partitions=True))
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, moving.gpu_features())
+    decider = site.local_decider(moving, Recorder(), env, "root")
+    assert isinstance(decider, ModelDecider) and decider.admits is not None
+    assert decider.admits("gpu", request.main) is None and decider.admits("debug", request.main) is None
+    assert "gpu1" in (decider.admits("gpu-small", request.main) or "")  # gpu-small is gpu2 alone
+    assert decider.admits("nowhere", request.main) == "Slurm has no partition nowhere"
+    assert site.local_decider(with_model(load_config(SAMPLE)), Recorder(), env, "root").admits is None  # type: ignore[attr-defined]

@@ -63,7 +63,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import pwd
 import queue
@@ -75,6 +74,7 @@ from typing import Any, NamedTuple
 
 from slurmgpu import __version__
 from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, call  # noqa: F401 - re-exported
+from slurmgpu.apps.site import slurm_admits
 from slurmgpu.pipeline.bundle import Bundle  # imported here, as root: after --run-as the install may be unreadable
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.decision_tag import decision_tag, new_decision_id
@@ -89,11 +89,11 @@ except ImportError:  # pragma: no cover - numpy ships with the training extra
 from slurmgpu.pipeline.plan import Plan, make_plan
 from slurmgpu.pipeline.policy import Admits, Decider, Decision, KeepDecider, make_decider
 from slurmgpu.pipeline.queue import GpuLedger
-from slurmgpu.pipeline.request import GPU_OPTIONS, ComponentRequest, JobRequest, build_request
+from slurmgpu.pipeline.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.pipeline.script import encode, parse_script
 from slurmgpu.pipeline.spool import SOURCES, new_record, script_text, write_record
-from slurmgpu.slurm.partitions import JobAccess, PartitionRules, nodelist_of, user_groups
+from slurmgpu.slurm.partitions import PartitionRules
 
 FREE_GPUS_EVERY_S = 10.0
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
@@ -429,24 +429,7 @@ class Service:
         """Why Slurm would refuse a component in a partition (None: it would take it), for this user."""
         if self.fetch_partitions is None:
             return None
-        rules, error = self.partitions, self.partitions_error
-        groups = user_groups(who.name, who.uid) if rules is not None else None
-
-        def check(name: str, comp: ComponentRequest) -> str | None:
-            if rules is None:
-                return f"Slurm's partition rules are unknown ({error})"
-            if name not in rules:
-                return f"Slurm has no partition {name}"
-            try:
-                nodes = nodelist_of(comp.options["nodelist"].value) if "nodelist" in comp.options else ()
-            except ValueError as exc:
-                return f"the job's node list: {exc}"
-            job = JobAccess(uid=who.uid, groups=groups, account=comp.account, qos=comp.qos,
-                            time_limit_min=math.ceil(comp.time_limit_s / 60) if comp.time_limit_s else None,
-                            min_nodes=comp.nodes if comp.nodes_set else None, nodelist=nodes)
-            return rules[name].refusal(job)
-
-        return check
+        return slurm_admits(self.partitions, self.partitions_error, who.name, who.uid)
 
     def watch(self, next_free: float = 0.0) -> None:
         """Background loop: idle GPUs every ``FREE_GPUS_EVERY_S``, the model file every ``reload_s``."""

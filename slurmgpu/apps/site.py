@@ -14,9 +14,10 @@ from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
 
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
-    from slurmgpu.pipeline.policy import Decider, Decision
-    from slurmgpu.pipeline.request import JobRequest
+    from slurmgpu.pipeline.policy import Admits, Decider, Decision
+    from slurmgpu.pipeline.request import ComponentRequest, JobRequest
     from slurmgpu.slurm.backend import SlurmBackend
+    from slurmgpu.slurm.partitions import PartitionRules
 
 # Tells the site's job_submit.lua hook that gsbatch already decided this job.
 DECIDED_MARKER = "SLURMGPU_DECIDED"
@@ -114,7 +115,43 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"gsbatch: warning: model {path} unusable ({exc}); request kept as written", file=sys.stderr)
         return KeepDecider("model unusable")
-    return make_decider(config, bundle, user=user, wait=cached_waits(backend, env))
+    admits = None
+    if config.policy.move_partitions:  # a move to another partition needs Slurm's rules for it
+        from slurmgpu.slurm.partitions import read_partitions
+
+        try:
+            rules, error = read_partitions(), None
+        except (OSError, ValueError) as exc:
+            rules, error = None, str(exc)
+        admits = slurm_admits(rules, error, user, os.getuid())
+    return make_decider(config, bundle, user=user, admits=admits, wait=cached_waits(backend, env))
+
+
+def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, user: str | None,
+                 uid: int | None) -> Admits:
+    """Why Slurm would refuse a component in a partition (None: it would take it) for this user,
+    from ``scontrol show partition``'s RULES (None: they could not be read, for ERROR)."""
+    import math
+
+    from slurmgpu.slurm.partitions import JobAccess, nodelist_of, user_groups
+
+    groups = user_groups(user, uid) if rules is not None else None
+
+    def check(name: str, comp: ComponentRequest) -> str | None:
+        if rules is None:
+            return f"Slurm's partition rules are unknown ({error})"
+        if name not in rules:
+            return f"Slurm has no partition {name}"
+        try:
+            nodes = nodelist_of(comp.options["nodelist"].value) if "nodelist" in comp.options else ()
+        except ValueError as exc:
+            return f"the job's node list: {exc}"
+        job = JobAccess(uid=uid, groups=groups, account=comp.account, qos=comp.qos,
+                        time_limit_min=math.ceil(comp.time_limit_s / 60) if comp.time_limit_s else None,
+                        min_nodes=comp.nodes if comp.nodes_set else None, nodelist=nodes)
+        return rules[name].refusal(job)
+
+    return check
 
 
 def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:

@@ -48,6 +48,9 @@ class Policy(NamedTuple):
     scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
     mode: str = REWRITE  # "advise": decide and record, submit as written (see pipeline/modes.py)
     oom_retry: bool = False  # `slurmgpu retry` requeues a GPU-OOM job once onto a larger card
+    # The model may move a job to any configured partition whose Slurm rules admit it, not only
+    # among the types of the partition it asked for (a faster or idle card elsewhere).
+    move_partitions: bool = False
 
 
 class Site(NamedTuple):
@@ -267,6 +270,7 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),
         mode=pol.get("mode", str, REWRITE),
         oom_retry=pol.get("oom_retry", bool, False),
+        move_partitions=pol.get("move_partitions", bool, False),
     )
     if policy.mode not in MODES:
         raise pol._err("mode", f"must be one of {', '.join(MODES)}, got {policy.mode!r}")

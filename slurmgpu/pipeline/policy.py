@@ -68,6 +68,9 @@ KEEP = Decision()
 # The rules' reason when they change nothing; not repeated beside a change the model makes (one
 # reason per change).
 FITS_AS_ASKED = "the request fits the partition it asks for"
+# The datasheet's weight against a family's measured speed slope, in squared log speed: a family
+# measured on two cards 1.6x apart (a V100 and an A10, say) counts as much as the datasheet.
+SPEED_PRIOR = 0.1
 
 
 # Whether Slurm would take this component in that partition: None when it would, else why not.
@@ -235,6 +238,8 @@ class ModelDecider:
         offered = [p for p in (self.config.partitions.get(n) for n in parts) if p]
         if not offered:
             return self._keep(rule, "model: partition unknown to the config; request kept")
+        if policy.move_partitions and self.admits is not None:  # only where Slurm's rules are known
+            offered += [p for p in self.config.partitions.values() if p not in offered]
         req_type, req_total = comp.gpu_type, comp.gpus_total
         # Fewer GPUs only as far as the launch follows (pipeline/launch.py); else only the type changes.
         need = launch_need(request.script.text, per_task=comp.gpus[0].per == "task").min_gpus
@@ -334,15 +339,14 @@ class ModelDecider:
             elif known:
                 runtime = pred.runtime_s
             elif asked_pred is not None and asked_rate is not None and c == req_total and req_type and \
-                    gt.relative_speed >= self.config.gpu_types[req_type].relative_speed and \
-                    (exponent := self._speed_exponent(fam, c)) is not None:
+                    gt.relative_speed >= self.config.gpu_types[req_type].relative_speed:
                 # A faster type the family never ran on: the datasheet's speed ratio, felt as strongly
                 # as the family felt it between the types it did run on (a job bound by its input
                 # pipeline gains little from a faster card, whatever the datasheet says). A slower one
                 # keeps the full ratio below: a time limit is at stake (measured: fewer timeouts).
                 speeds = self.config.gpu_types
                 runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
-                                                  max(gt.relative_speed, 1e-9)) ** exponent
+                                                  max(gt.relative_speed, 1e-9)) ** self._speed_exponent(fam, c)
             elif asked_pred is None or req_type is None:
                 runtime = pred.runtime_s * self.unseen_penalty
             else:
@@ -367,15 +371,18 @@ class ModelDecider:
                 break
         return new, old
 
-    def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float | None:
+    def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
         measured log speed (``rate:``, at GPUS) on log relative speed over the types it ran on, in
-        [0, 1]; None with fewer than two types of different datasheet speed."""
+        [0, 1], shrunk towards the datasheet's 1 by how little those types' speeds differ (two
+        cards of nearly one speed say nothing of a card twice as fast): a weighted mean with the
+        spread of their log speeds as weight against ``SPEED_PRIOR``."""
         points = [(math.log(max(t.relative_speed, 1e-9)), -float(fam[f"{RATE}{gpus}x{name}"]))
                   for name, t in self.config.gpu_types.items() if f"{RATE}{gpus}x{name}" in fam]
-        if len({x for x, _ in points}) < 2:
-            return None
-        return min(max(slope(points), 0.0), 1.0)
+        mean = sum(x for x, _ in points) / max(len(points), 1)
+        spread = sum((x - mean) ** 2 for x, _ in points)
+        measured = min(max(slope(points), 0.0), 1.0) if spread > 0 else 1.0
+        return (spread * measured + SPEED_PRIOR) / (spread + SPEED_PRIOR)
 
     def _seen(self, family: str, req_type: str | None, req_total: int) -> set[str]:
         """The shapes ("<GPUs>x<type>") the family ran on, and the one asked for."""

@@ -49,9 +49,9 @@ import numpy as np
 from slurmgpu.pipeline.bundle import analytic_base_mib
 from slurmgpu.pipeline.config import Config, GpuType, Partition, Policy
 from slurmgpu.pipeline.features import script_features
-from slurmgpu.pipeline.policy import Decider, ModelDecider, RuleDecider
+from slurmgpu.pipeline.policy import Admits, Decider, ModelDecider, RuleDecider
 from slurmgpu.pipeline.queue import GpuLedger
-from slurmgpu.pipeline.request import JobRequest, build_request
+from slurmgpu.pipeline.request import ComponentRequest, JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
 from slurmgpu.reporting.queries import IDLE_UTIL_PCT
 from slurmgpu.simulation.simulator import (
@@ -149,7 +149,22 @@ def scenario_config(cluster: ClusterSpec) -> Config:
                                max(pool.gpus_per_node for pool in p.pools),
                                len({h for pool in p.pools for h in pool.hosts}), p.default)
              for p in cluster.partitions}
-    return Config(f"<scenario {cluster.name}>", types, parts, Policy(decider="model"))
+    return Config(f"<scenario {cluster.name}>", types, parts, Policy(decider="model", move_partitions=True))
+
+
+def partition_admits(cluster: ClusterSpec) -> Admits:
+    """Slurm's answer for a job in a partition of ``cluster``: its MaxTime must admit the job's
+    time limit (a job without one would get the partition's default: not moved)."""
+    max_time = {p.name: p.max_time_s for p in cluster.partitions}
+
+    def admits(name: str, comp: ComponentRequest) -> str | None:
+        if name not in max_time:
+            return f"no partition {name}"
+        if not comp.time_limit_s or comp.time_limit_s > max_time[name]:
+            return f"partition {name}'s MaxTime does not admit the job's time limit"
+        return None
+
+    return admits
 
 
 def sim_cluster(cluster: ClusterSpec) -> SimCluster:
@@ -228,7 +243,7 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
         used = "model"
 
         def decider(user: str) -> Decider:
-            return ModelDecider(config, bundle, lambda: capacity, user,
+            return ModelDecider(config, bundle, lambda: capacity, user, partition_admits(cluster),
                                 wait=lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, clock[0]))
     except (ValueError, ImportError) as exc:
         used = f"rules (fallback: {exc})"
