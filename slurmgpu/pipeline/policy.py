@@ -332,13 +332,13 @@ class ModelDecider:
         for (gt, c), pred in zip(shapes, preds, strict=True):
             known = f"{c}x{gt.name}" in seen
             runtime_margin = max(pred.runtime_upper_s / max(pred.runtime_s, 1e-9), 1.0)
-            rate, asked_rate = self._measured_rates(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
-            if asked_pred is not None and rate is not None and asked_rate is not None:
-                # The family ran both shapes: its own measured speed ratio (time per step and token).
-                runtime = asked_pred.runtime_s * math.exp(rate - asked_rate)
+            ratio = self._measured_ratio(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
+            if asked_pred is not None and ratio is not None:
+                # The family ran both shapes at one batch: its own measured speed ratio there.
+                runtime = asked_pred.runtime_s * math.exp(ratio)
             elif known:
                 runtime = pred.runtime_s
-            elif asked_pred is not None and asked_rate is not None and c == req_total and req_type and \
+            elif asked_pred is not None and f"{RATE}{req_total}x{req_type}" in fam and c == req_total and req_type and \
                     gt.relative_speed >= self.config.gpu_types[req_type].relative_speed:
                 # A faster type the family never ran on: the datasheet's speed ratio, felt as strongly
                 # as the family felt it between the types it did run on (a job bound by its input
@@ -360,16 +360,20 @@ class ModelDecider:
         return table
 
     @staticmethod
-    def _measured_rates(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[str | None, int],
-                        log_tokens: float) -> tuple[float | None, float | None]:
-        """The family's measured speeds (``rate:``) on SHAPE and on the ASKED shape, both at this
-        job's batch where it ran both there, else both over all its batches (either may be None)."""
-        for at in (0, 1):  # rate_keys: at the job's tokens first, then over the family's batches
-            new = fam.get(RATE + rate_keys(shape[1], shape[0], log_tokens)[at])
-            old = fam.get(RATE + rate_keys(asked[1], asked[0] or "", log_tokens)[at])
-            if new is not None and old is not None:
-                break
-        return new, old
+    def _measured_ratio(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[str | None, int],
+                        log_tokens: float) -> float | None:
+        """The family's measured log speed ratio (``rate:``, time per step and token) of SHAPE over the
+        ASKED shape: at this job's batch where it ran both there, else the mean over the batches it
+        ran on both (paired: each shape's mean over all its batches mixes which jobs ran where, and
+        once made a V100 look four times faster than an A100 for a family whose small runs went to
+        V100s); None where it never ran both at one batch."""
+        new, old = (RATE + rate_keys(gpus, gpu_type or "", log_tokens)[0] for gpu_type, gpus in (shape, asked))
+        if new in fam and old in fam:
+            return float(fam[new]) - float(fam[old])
+        new_at, old_at = new[:new.index("@") + 1], old[:old.index("@") + 1]
+        pairs = [float(v) - float(fam[old_at + k[len(new_at):]]) for k, v in fam.items()
+                 if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
+        return sum(pairs) / len(pairs) if pairs else None
 
     def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
