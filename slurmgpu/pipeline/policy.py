@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE, log_size, rate_keys, slope
+from slurmgpu.pipeline.features import RATE, log_size, rate_keys
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
@@ -212,6 +212,7 @@ class ModelDecider:
         self.config, self.bundle, self.free_gpus, self.user, self.admits = config, bundle, free_gpus, user, admits
         self.wait = wait
         self.rules = RuleDecider(config, admits)
+        self._site_slope: float | None = None
 
     def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = ()) -> Decision:
         return rule._replace(reasons=(*rule.reasons, why), decider=self.name, per_type=per_type)
@@ -377,16 +378,24 @@ class ModelDecider:
 
     def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
-        measured log speed (``rate:``, at GPUS) on log relative speed over the types it ran on, in
-        [0, 1], shrunk towards the datasheet's 1 by how little those types' speeds differ (two
-        cards of nearly one speed say nothing of a card twice as fast): a weighted mean with the
-        spread of their log speeds as weight against ``SPEED_PRIOR``."""
-        points = [(math.log(max(t.relative_speed, 1e-9)), -float(fam[f"{RATE}{gpus}x{name}"]))
-                  for name, t in self.config.gpu_types.items() if f"{RATE}{gpus}x{name}" in fam]
-        mean = sum(x for x, _ in points) / max(len(points), 1)
-        spread = sum((x - mean) ** 2 for x, _ in points)
-        measured = min(max(slope(points), 0.0), 1.0) if spread > 0 else 1.0
-        return (spread * measured + SPEED_PRIOR) / (spread + SPEED_PRIOR)
+        measured log speed (``rate:`` per batch, at GPUS) on log relative speed, the log batch
+        tokens a second regressor (which runs went to which card must not pass for the card's
+        speed), shrunk towards how strongly the site's families together follow it
+        (``_site_exponent``) by how little its types' speeds differ once the batch is accounted for:
+        a weighted mean with that spread as weight against ``SPEED_PRIOR``. In [0, 1]."""
+        spread, measured = _speed_fit([_speed_points(self.config, fam, gpus)])
+        prior = self._site_exponent()
+        return (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
+
+    def _site_exponent(self) -> float:
+        """The speed slope of all families at every count (each its own intercept), in [0, 1]:
+        the prior for a family that ran on too few types to say (1, the datasheet, without any)."""
+        if self._site_slope is None:
+            groups = [_speed_points(self.config, fam, gpus) for fam in self.bundle.history.families.values()
+                      for gpus in {int(k[len(RATE):].split("x", 1)[0]) for k in fam if k.startswith(RATE)}]
+            spread, measured = _speed_fit(groups)
+            self._site_slope = measured if spread > 0 else 1.0
+        return self._site_slope
 
     def _seen(self, family: str, req_type: str | None, req_total: int) -> set[str]:
         """The shapes ("<GPUs>x<type>") the family ran on, and the one asked for."""
@@ -549,6 +558,37 @@ class ModelDecider:
         if objective == "cheapest":
             return cost / base_cost if done <= base_done * self.config.policy.scaling_factor else math.inf
         return 0.5 * done / base_done + 0.5 * cost / base_cost
+
+
+def _speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tuple[float, float, float]]:
+    """(log relative speed, log batch tokens, log speed) of each batch the family ran on GPUS of a type."""
+    points = []
+    for name, t in config.gpu_types.items():
+        at = f"{RATE}{gpus}x{name}@"
+        points += [(math.log(max(t.relative_speed, 1e-9)), math.log(max(float(key[len(at):]), 1.0)), -float(v))
+                   for key, v in fam.items() if key.startswith(at)]
+    return points
+
+
+def _speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
+    """Least squares of log speed on log relative speed and log tokens, each group its own
+    intercept: the spread of the speeds with the tokens held fixed, and the speed slope in [0, 1]
+    (1 where the spread is none)."""
+    sums = [0.0] * 5  # xx, zz, xz, xy, zy
+    for points in groups:
+        if len(points) < 2:
+            continue
+        mx, mz, my = (sum(p[i] for p in points) / len(points) for i in range(3))
+        for x, z, y in points:
+            dx, dz, dy = x - mx, z - mz, y - my
+            for i, v in enumerate((dx * dx, dz * dz, dx * dz, dx * dy, dz * dy)):
+                sums[i] += v
+    sxx, szz, sxz, sxy, szy = sums
+    spread = sxx - sxz * sxz / szz if szz > 1e-12 else sxx
+    if spread <= 1e-12:
+        return 0.0, 1.0
+    measured = (sxy * szz - szy * sxz) / (sxx * szz - sxz * sxz) if szz > 1e-12 else sxy / sxx
+    return spread, min(max(measured, 0.0), 1.0)
 
 
 BORDERLINE = 0.15  # a fitting peak (with margin) this close to the card is worth a word

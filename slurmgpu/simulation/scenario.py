@@ -241,12 +241,13 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
         bundle, _ = fit(training_rows(train, cluster, features, requests), config, iterations=iterations,
                         progress=progress)
         used = "model"
+        smearing = bundle.runtime_smearing
 
         def decider(user: str) -> Decider:
             return ModelDecider(config, bundle, lambda: capacity, user, partition_admits(cluster),
                                 wait=lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, clock[0]))
     except (ValueError, ImportError) as exc:
-        used = f"rules (fallback: {exc})"
+        used, smearing = f"rules (fallback: {exc})", 1.0
         progress(f"cannot train the model decider ({exc}); falling back to the rule decider")
 
         def decider(user: str) -> Decider:
@@ -276,7 +277,8 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
             decided[key] = choice
         placed[job.job_id] = decided[key]
         gres = cluster.gres_name(decided[key].gpu_type)
-        expected = runtimes[key].get((gres, decided[key].gpus), QUEUE_RUNTIME_SHARE * job.time_limit_s)
+        expected = runtimes[key].get((gres, decided[key].gpus), QUEUE_RUNTIME_SHARE * job.time_limit_s / smearing)
+        expected *= smearing  # the mean run time, not the median: how long GPUs are held on average
         ledger.reserve(gres, decided[key].gpus, clock[0], min(expected, job.time_limit_s))
         changed += placed[job.job_id] != (job.req_gpu_type, job.req_gpus)
     note = f"{used}; changed {changed:,} of {len(jobs):,} jobs"
