@@ -20,7 +20,7 @@ from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
 from slurmgpu.pipeline.config import load_config
 from slurmgpu.pipeline.features import job_features, model_size_b, script_features
-from slurmgpu.pipeline.policy import KeepDecider, ModelDecider
+from slurmgpu.pipeline.policy import KeepDecider, ModelDecider, speed_fit, speed_points
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
 
@@ -535,3 +535,39 @@ def test_a_job_moves_to_another_partition_only_when_the_admin_allows_it_and_slur
     for kept in (decide_with(config, lambda name, comp: None), decide_with(moving, None),
                  decide_with(moving, lambda name, comp: "AllowAccounts" if name == "gpu-small" else None)):
         assert all(change.partition in (None, "gpu") for change in kept.changes), kept.reasons
+
+
+def test_a_familys_speed_ratio_between_two_types_is_measured_at_one_batch(trained, config) -> None:
+    """Its V100 runs were all large batches (fast per token), its A100 runs small ones: the
+    shapes' means over all batches would call the V100 faster; only a batch run on both counts."""
+    fam = {"rate:1xv100": -12.0, "rate:1xv100@4096": -12.0, "rate:1xa100": -9.0, "rate:1xa100@64": -9.0}
+    ratio = ModelDecider._measured_ratio
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) is None
+    fam = {**fam, "rate:1xa100@4096": -12.5, "rate:1xv100@64": -8.2}
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) == pytest.approx(0.8)  # at the job's batch
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(512)) == pytest.approx((0.5 + 0.8) / 2)  # paired mean
+
+
+def test_a_familys_speed_slope_holds_its_batches_apart_and_leans_on_the_sites(trained, config) -> None:
+    """Log speed = 0.6 x log datasheet speed + 0.3 x log tokens, the V100 given the large batches:
+    the slope is 0.6, not what the confounded means say; a family that ran one type gets the
+    site's pooled slope, and no evidence at all the datasheet's 1."""
+    speed = {name: math.log(t.relative_speed) for name, t in config.gpu_types.items()}
+
+    def family(slope: float, runs: dict[str, tuple[int, ...]]) -> dict[str, float]:
+        return {f"rate:1x{card}@{tokens}": -(slope * speed[card] + 0.3 * math.log(tokens))
+                for card, batches in runs.items() for tokens in batches}
+
+    spread, measured = speed_fit([speed_points(config, family(0.6, {"a100": (8, 16), "v100": (64, 128)}), 1)])
+    assert measured == pytest.approx(0.6) and spread > 0
+    naive = speed_fit([[(x, 0.0, y) for x, _, y in
+                         speed_points(config, family(0.6, {"a100": (8, 16), "v100": (64, 128)}), 1)]])[1]
+    assert abs(naive - 0.6) > 0.3  # the batch left out, the cards' speeds are confounded with it
+    site = Bundle({**trained[0].data, "history": {"families": {
+        "f1": family(0.5, {"a100": (8, 64), "v100": (8, 64), "t4": (8,)}),
+        "f2": family(0.5, {"a100": (16,), "t4": (16, 32)}), "one": family(1.0, {"a100": (8, 16)})}, "archs": {}}})
+    decider = ModelDecider(config, site, lambda: {})
+    assert decider._site_exponent() == pytest.approx(0.5)
+    assert decider._speed_exponent(site.history.family("one"), 1) == pytest.approx(0.5)
+    assert ModelDecider(config, Bundle({**trained[0].data, "history": {"families": {}, "archs": {}}}),
+                        lambda: {})._site_exponent() == 1.0

@@ -383,7 +383,7 @@ class ModelDecider:
         speed), shrunk towards how strongly the site's families together follow it
         (``_site_exponent``) by how little its types' speeds differ once the batch is accounted for:
         a weighted mean with that spread as weight against ``SPEED_PRIOR``. In [0, 1]."""
-        spread, measured = _speed_fit([_speed_points(self.config, fam, gpus)])
+        spread, measured = speed_fit([speed_points(self.config, fam, gpus)])
         prior = self._site_exponent()
         return (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
 
@@ -391,9 +391,9 @@ class ModelDecider:
         """The speed slope of all families at every count (each its own intercept), in [0, 1]:
         the prior for a family that ran on too few types to say (1, the datasheet, without any)."""
         if self._site_slope is None:
-            groups = [_speed_points(self.config, fam, gpus) for fam in self.bundle.history.families.values()
+            groups = [speed_points(self.config, fam, gpus) for fam in self.bundle.history.families.values()
                       for gpus in {int(k[len(RATE):].split("x", 1)[0]) for k in fam if k.startswith(RATE)}]
-            spread, measured = _speed_fit(groups)
+            spread, measured = speed_fit(groups)
             self._site_slope = measured if spread > 0 else 1.0
         return self._site_slope
 
@@ -560,7 +560,7 @@ class ModelDecider:
         return 0.5 * done / base_done + 0.5 * cost / base_cost
 
 
-def _speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tuple[float, float, float]]:
+def speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tuple[float, float, float]]:
     """(log relative speed, log batch tokens, log speed) of each batch the family ran on GPUS of a type."""
     points = []
     for name, t in config.gpu_types.items():
@@ -570,7 +570,7 @@ def _speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tup
     return points
 
 
-def _speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
+def speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
     """Least squares of log speed on log relative speed and log tokens, each group its own
     intercept: the spread of the speeds with the tokens held fixed, and the speed slope in [0, 1]
     (1 where the spread is none)."""
