@@ -8,6 +8,7 @@ and — when the request cannot be satisfied at all — why it is refused before
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -71,6 +72,8 @@ FITS_AS_ASKED = "the request fits the partition it asks for"
 # The datasheet's weight against a family's measured speed slope, in squared log speed: a family
 # measured on two cards 1.6x apart (a V100 and an A10, say) counts as much as the datasheet.
 SPEED_PRIOR = 0.1
+# Per bundle: the site's pooled speed slope, by the datasheet speeds it was computed with.
+_SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...], float]] = weakref.WeakKeyDictionary()
 
 
 # Whether Slurm would take this component in that partition: None when it would, else why not.
@@ -212,7 +215,6 @@ class ModelDecider:
         self.config, self.bundle, self.free_gpus, self.user, self.admits = config, bundle, free_gpus, user, admits
         self.wait = wait
         self.rules = RuleDecider(config, admits)
-        self._site_slope: float | None = None
 
     def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = ()) -> Decision:
         return rule._replace(reasons=(*rule.reasons, why), decider=self.name, per_type=per_type)
@@ -389,13 +391,16 @@ class ModelDecider:
 
     def _site_exponent(self) -> float:
         """The speed slope of all families at every count (each its own intercept), in [0, 1]:
-        the prior for a family that ran on too few types to say (1, the datasheet, without any)."""
-        if self._site_slope is None:
+        the prior for a family that ran on too few types to say (1, the datasheet, without any).
+        Computed once per bundle and set of datasheet speeds (the daemon decides many jobs)."""
+        speeds = tuple(sorted((name, t.relative_speed) for name, t in self.config.gpu_types.items()))
+        known = _SITE_SLOPES.setdefault(self.bundle, {})
+        if speeds not in known:
             groups = [speed_points(self.config, fam, gpus) for fam in self.bundle.history.families.values()
                       for gpus in {int(k[len(RATE):].split("x", 1)[0]) for k in fam if k.startswith(RATE)}]
             spread, measured = speed_fit(groups)
-            self._site_slope = measured if spread > 0 else 1.0
-        return self._site_slope
+            known[speeds] = measured if spread > 0 else 1.0
+        return known[speeds]
 
     def _seen(self, family: str, req_type: str | None, req_total: int) -> set[str]:
         """The shapes ("<GPUs>x<type>") the family ran on, and the one asked for."""
