@@ -499,20 +499,23 @@ def test_malformed_recorded_features_are_left_out_of_training() -> None:
 @pytest.mark.parametrize("limit_h", [1, 3, 12])
 def test_a_move_keeps_the_jobs_own_runtime_margin_to_its_time_limit(trained, config, limit_h: int) -> None:
     """Each candidate carries the bundle's 95th-percentile run time over its median (at least 1); a
-    job that fits as asked moves only where that (or the bundle's one margin) keeps it in its limit."""
+    job that fits as asked moves to a shape predicted slower only where that (or the bundle's one
+    margin) keeps it in its limit."""
     bundle = trained[0]
     assert bundle.runtime_upper is not None
     margins, moved = [], 0
     for family in FAMILIES:
         for batch in (4, 16, 64):
-            for card in ("v100", "a100"):
+            for card in ("v100", "a100"):  # the a100s busy: moves to slower cards
                 text = script_for(family, batch, 2000, card).replace("-t 12:00:00", f"-t {limit_h}:00:00")
-                d = decide(bundle, config, text)
+                d = decide(bundle, config, text, free={"a100": 0, "v100": 4, "t4": 4})
                 margins.extend(c.runtime_margin for c in d.per_type)
                 asked = next(c for c in d.per_type if (c.gpu_type, c.gpus) == (card, 1))
                 if d.changes and asked.fits:
-                    moved += 1
                     c = next(c for c in d.per_type if c.gpu_type == d.changes[0].gpu_type and c.gpus == 1)
+                    if c.pred_runtime_s <= asked.pred_runtime_s:
+                        continue  # faster than as asked: it shares the job's own uncertainty
+                    moved += 1
                     assert c.pred_runtime_s * c.runtime_margin <= limit_h * 3600, (c, d.reasons)
     assert min(margins) >= 1.0 and max(margins) > 1.0 and moved >= 1
 

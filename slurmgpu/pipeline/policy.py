@@ -531,14 +531,17 @@ class ModelDecider:
     def _in_time(self, c: Candidate, baseline: Candidate, limit_s: int | None) -> bool:
         """A change must not push the job past its own time limit (it would be killed): the predicted
         runtime with the margin newer jobs overran their predictions by (the bundle's runtime
-        spread), at least ``scaling_factor``, and, for a job that fits as asked, at least the job's own
-        95th-percentile margin (``Candidate.runtime_margin``). A job predicted not to fit as asked
-        would fail for sure: its move keeps the bundle's margin alone (measured: with the job's own
-        margin there, such jobs lost their only move and GPU OOMs rose from 251 to 273)."""
+        spread), at least ``scaling_factor``, and, for a move to a shape predicted slower than the
+        request that fits as asked, at least the job's own 95th-percentile margin
+        (``Candidate.runtime_margin``). A move predicted faster shares the job's own uncertainty with
+        the request. A job predicted not to fit as asked would fail for sure: its move keeps the
+        bundle's margin alone (measured: with the job's own margin there, such jobs lost their only
+        move and GPU OOMs rose from 251 to 273)."""
         if limit_s is None or c == baseline:
             return True
+        slower = baseline.fits and c.pred_runtime_s > baseline.pred_runtime_s
         margin = max(self.config.policy.scaling_factor, math.exp(getattr(self.bundle, "runtime_spread", 0.0)),
-                     c.runtime_margin if baseline.fits else 1.0)
+                     c.runtime_margin if slower else 1.0)
         return c.pred_runtime_s * margin <= limit_s
 
     def _mem_gib(self, gtype: str | None) -> float:
