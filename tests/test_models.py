@@ -571,6 +571,12 @@ def test_a_familys_speed_slope_holds_its_batches_apart_and_leans_on_the_sites(tr
         "f2": family(0.5, {"a100": (16,), "t4": (16, 32)}), "one": family(1.0, {"a100": (8, 16)})}, "archs": {}}})
     decider = ModelDecider(config, site, lambda: {})
     assert decider._site_exponent() == pytest.approx(0.5)
-    assert decider._speed_exponent(site.history.family("one"), 1) == pytest.approx(0.5)
+    assert decider._speed_exponent({"family": "one"}, 1) == pytest.approx(0.5)
+    # Another size of its model ran on several types: the architecture's slope comes first.
+    arch = Bundle({**site.data, "history": {"families": {
+        **site.data["history"]["families"], "net50": family(0.9, {"a100": (8, 64), "v100": (8, 64)})},
+        "archs": {"net?": ["net50", "one"]}}})
+    leaning = ModelDecider(config, arch, lambda: {})._speed_exponent({"family": "one", "arch": "net?"}, 1)
+    assert abs(leaning - 0.9) < abs(ModelDecider(config, arch, lambda: {})._site_exponent() - 0.9) - 0.1, leaning
     assert ModelDecider(config, Bundle({**trained[0].data, "history": {"families": {}, "archs": {}}}),
                         lambda: {})._site_exponent() == 1.0

@@ -349,7 +349,7 @@ class ModelDecider:
                 # keeps the full ratio below: a time limit is at stake (measured: fewer timeouts).
                 speeds = self.config.gpu_types
                 runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
-                                                  max(gt.relative_speed, 1e-9)) ** self._speed_exponent(fam, c)
+                                                  max(gt.relative_speed, 1e-9)) ** self._speed_exponent(sf, c)
             elif asked_pred is None or req_type is None:
                 runtime = pred.runtime_s * self.unseen_penalty
             else:
@@ -378,16 +378,20 @@ class ModelDecider:
                  if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
         return sum(pairs) / len(pairs) if pairs else None
 
-    def _speed_exponent(self, fam: Mapping[str, Any], gpus: int) -> float:
+    def _speed_exponent(self, sf: Mapping[str, Any], gpus: int) -> float:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
         measured log speed (``rate:`` per batch, at GPUS) on log relative speed, the log batch
         tokens a second regressor (which runs went to which card must not pass for the card's
-        speed), shrunk towards how strongly the site's families together follow it
-        (``_site_exponent``) by how little its types' speeds differ once the batch is accounted for:
-        a weighted mean with that spread as weight against ``SPEED_PRIOR``. In [0, 1]."""
-        spread, measured = speed_fit([speed_points(self.config, fam, gpus)])
+        speed), shrunk towards its architecture's (the other sizes and commands of its model,
+        pooled), itself shrunk towards the site's (``_site_exponent``), each by how little the
+        types' speeds differ once the batch is accounted for: weighted means with that spread as
+        weight against ``SPEED_PRIOR``. In [0, 1]."""
         prior = self._site_exponent()
-        return (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
+        for groups in ([speed_points(self.config, fam, gpus) for fam in self.bundle.history.siblings(sf)],
+                       [speed_points(self.config, self.bundle.history.family(sf["family"]), gpus)]):
+            spread, measured = speed_fit(groups)
+            prior = (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
+        return prior
 
     def _site_exponent(self) -> float:
         """The speed slope of all families at every count (each its own intercept), in [0, 1]:
