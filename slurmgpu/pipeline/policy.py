@@ -368,8 +368,8 @@ class ModelDecider:
         """The family's measured log speed ratio (``rate:``, time per step and token) of SHAPE over the
         ASKED shape: at this job's batch where it ran both there, else the mean over the batches it
         ran on both (paired: each shape's mean over all its batches mixes which jobs ran where, and
-        once made a V100 look four times faster than an A100 for a family whose small runs went to
-        V100s); None where it never ran both at one batch."""
+        once made a V100 look 3.8 times faster than an A100 for a family whose large-batch runs went
+        to V100s); None where it never ran both at one batch."""
         new, old = (RATE + rate_keys(gpus, gpu_type or "", log_tokens)[0] for gpu_type, gpus in (shape, asked))
         if new in fam and old in fam:
             return float(fam[new]) - float(fam[old])
@@ -400,8 +400,10 @@ class ModelDecider:
         speeds = tuple(sorted((name, t.relative_speed) for name, t in self.config.gpu_types.items()))
         known = _SITE_SLOPES.setdefault(self.bundle, {})
         if speeds not in known:
-            groups = [speed_points(self.config, fam, gpus) for fam in self.bundle.history.families.values()
-                      for gpus in {int(k[len(RATE):].split("x", 1)[0]) for k in fam if k.startswith(RATE)}]
+            counts = {fam_key: {k[len(RATE):].split("x", 1)[0] for k in fam if k.startswith(RATE)}
+                      for fam_key, fam in self.bundle.history.families.items()}
+            groups = [speed_points(self.config, self.bundle.history.family(fam_key), int(n))
+                      for fam_key, ns in counts.items() for n in ns if n.isdigit()]
             spread, measured = speed_fit(groups)
             known[speeds] = measured if spread > 0 else 1.0
         return known[speeds]
