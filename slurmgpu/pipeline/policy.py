@@ -331,6 +331,8 @@ class ModelDecider:
         seen = self._seen(sf["family"], req_type, req_total)
         asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
                            if (gt.name, c) == (req_type, req_total)), None)
+        ran_asked = RATE + rate_keys(req_total, req_type or "", sf["log_tokens"])[1] in fam
+        exponent: float | None = None  # the family's speed slope at the asked count, once it is needed
         table = []
         for (gt, c), pred in zip(shapes, preds, strict=True):
             known = f"{c}x{gt.name}" in seen
@@ -341,15 +343,17 @@ class ModelDecider:
                 runtime = asked_pred.runtime_s * math.exp(ratio)
             elif known:
                 runtime = pred.runtime_s
-            elif asked_pred is not None and f"{RATE}{req_total}x{req_type}" in fam and c == req_total and req_type and \
+            elif asked_pred is not None and ran_asked and c == req_total and req_type and \
                     gt.relative_speed >= self.config.gpu_types[req_type].relative_speed:
                 # A faster type the family never ran on: the datasheet's speed ratio, felt as strongly
                 # as the family felt it between the types it did run on (a job bound by its input
                 # pipeline gains little from a faster card, whatever the datasheet says). A slower one
                 # keeps the full ratio below: a time limit is at stake (measured: fewer timeouts).
+                if exponent is None:
+                    exponent = self._speed_exponent(sf, req_total)
                 speeds = self.config.gpu_types
                 runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
-                                                  max(gt.relative_speed, 1e-9)) ** self._speed_exponent(sf, c)
+                                                  max(gt.relative_speed, 1e-9)) ** exponent
             elif asked_pred is None or req_type is None:
                 runtime = pred.runtime_s * self.unseen_penalty
             else:

@@ -277,8 +277,9 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
             decided[key] = choice
         placed[job.job_id] = decided[key]
         gres = cluster.gres_name(decided[key].gpu_type)
-        expected = runtimes[key].get((gres, decided[key].gpus), QUEUE_RUNTIME_SHARE * job.time_limit_s / smearing)
-        expected *= smearing  # the mean run time, not the median: how long GPUs are held on average
+        predicted = runtimes[key].get((gres, decided[key].gpus))
+        # The mean run time, not the median the trees predict: how long GPUs are held on average.
+        expected = predicted * smearing if predicted is not None else QUEUE_RUNTIME_SHARE * job.time_limit_s
         ledger.reserve(gres, decided[key].gpus, clock[0], min(expected, job.time_limit_s))
         changed += placed[job.job_id] != (job.req_gpu_type, job.req_gpus)
     note = f"{used}; changed {changed:,} of {len(jobs):,} jobs"
