@@ -147,24 +147,65 @@ class SimCluster:
         return sum(self._pools[gpu_type])
 
 
+class Queued(NamedTuple):
+    """A job in the simulated queue at some moment, as squeue shows it."""
+
+    job: SimJob
+    running: bool
+    nodes: tuple[int, ...]  # running: indices into SimCluster.node_gpus(job.gpu_type)
+    seconds: float  # running: time left to its limit; pending: its time limit
+
+
+class Simulation:
+    """The simulator fed one job at a time, in submit order, for a policy that decides from the
+    queue as it stands (``queue``), as slurmgpu's daemon decides from squeue; ``simulate`` is the
+    same run with every job known up front."""
+
+    def __init__(self, cluster: SimCluster, *, oom_after_s: float = OOM_AFTER_S,
+                 max_job_test: int = BF_MAX_JOB_TEST) -> None:
+        self.cluster = cluster
+        self._settings = (oom_after_s, max_job_test)
+        self._pools: dict[str, _Pool] = {}
+        self._jobs: list[SimJob] = []
+        self._seen: set[str] = set()
+
+    def submit(self, job: SimJob) -> None:
+        """Queue JOB; jobs must come in submit order (ties: in the order they are submitted)."""
+        if self._jobs and job.submit_s < self._jobs[-1].submit_s:
+            raise ValueError(f"job {job.job_id}: submitted at {job.submit_s} s, before the previous job")
+        _check(job, self.cluster, self._seen)
+        if job.gpu_type not in self._pools:
+            self._pools[job.gpu_type] = _Pool(self.cluster.node_gpus(job.gpu_type), *self._settings)
+        self._pools[job.gpu_type].add(job)
+        self._jobs.append(job)
+
+    def queue(self, now: float) -> list[Queued]:
+        """Running and pending jobs at NOW, everything before NOW simulated (pending in queue order)."""
+        out = []
+        for pool in self._pools.values():
+            pool.advance(now)
+            out += pool.snapshot(now)
+        return out
+
+    def results(self) -> list[SimResult]:
+        """Run every submitted job to its end; results in submit order."""
+        done: dict[str, SimResult] = {}
+        for gpu_type, pool in self._pools.items():
+            pool.advance(math.inf)
+            for job, (start, end, state, alloc) in zip(pool.jobs, pool.out, strict=True):
+                done[job.job_id] = SimResult(
+                    job.job_id, job.submit_s, start, end, state, gpu_type, job.gpus, start - job.submit_s,
+                    end - job.submit_s, sum(c for _, c in alloc), tuple(n for n, _ in alloc))
+        return [done[j.job_id] for j in self._jobs]
+
+
 def simulate(jobs: Iterable[SimJob], cluster: SimCluster, *, oom_after_s: float = OOM_AFTER_S,
              max_job_test: int = BF_MAX_JOB_TEST) -> list[SimResult]:
     """Run every job to its end; results are ordered by submit time, then job id."""
-    ordered = sorted(jobs, key=lambda j: (j.submit_s, j.job_id))
-    by_type: dict[str, list[SimJob]] = {}
-    seen: set[str] = set()
-    for job in ordered:
-        _check(job, cluster, seen)
-        by_type.setdefault(job.gpu_type, []).append(job)
-    done: dict[str, SimResult] = {}
-    for gpu_type, pool_jobs in by_type.items():
-        for job, (start, end, state, alloc) in zip(
-                pool_jobs, _run_pool(pool_jobs, cluster.node_gpus(gpu_type), oom_after_s, max_job_test),
-                strict=True):
-            done[job.job_id] = SimResult(
-                job.job_id, job.submit_s, start, end, state, gpu_type, job.gpus, start - job.submit_s,
-                end - job.submit_s, sum(c for _, c in alloc), tuple(n for n, _ in alloc))
-    return [done[j.job_id] for j in ordered]
+    sim = Simulation(cluster, oom_after_s=oom_after_s, max_job_test=max_job_test)
+    for job in sorted(jobs, key=lambda j: (j.submit_s, j.job_id)):
+        sim.submit(job)
+    return sim.results()
 
 
 def _check(job: SimJob, cluster: SimCluster, seen: set[str]) -> None:
@@ -206,75 +247,86 @@ def _place(gpus: int, avail: list[int], cap: Sequence[int], max_gpn: int) -> All
     return None
 
 
-def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
-              max_job_test: int) -> list[tuple[float, float, str, Alloc]]:
-    """Simulate one GPU type's nodes; ``jobs`` are in queue order (submit time, job id)."""
-    n_jobs, max_gpn = len(jobs), max(cap)
-    submit = [j.submit_s for j in jobs]
-    gpus = [j.gpus for j in jobs]
-    limit = [j.time_limit_s for j in jobs]
-    out: list[tuple[float, float, str, Alloc]] = [(0.0, 0.0, "", [])] * n_jobs
-    free = list(cap)
-    ends: list[tuple[float, int]] = []  # (actual end, queue rank): ties end in queue order
-    running: dict[int, tuple[float, int, Alloc]] = {}  # rank -> (end by time limit, rank, allocation)
-    queue: list[int] = []  # pending ranks in queue order
-    # The head's reservation: it starts at ``shadow``; ``extra`` is what it leaves over on each
-    # node it will take, and ``long_free`` what a job running past ``shadow`` may use now.
-    shadow = 0.0
-    extra: dict[int, int] = {}
-    long_free: list[int] = []
+class _Pool:
+    """One GPU type's nodes and queue; jobs are added in queue order (submit time, then as added)."""
 
-    def start(i: int, t: float, alloc: Alloc) -> None:
+    def __init__(self, cap: tuple[int, ...], oom_after_s: float, max_job_test: int) -> None:
+        self.cap, self.max_gpn = cap, max(cap)
+        self.oom_after_s, self.max_job_test = oom_after_s, max_job_test
+        self.jobs: list[SimJob] = []
+        self.out: list[tuple[float, float, str, Alloc]] = []  # (start, end, state, allocation) by rank
+        self.free = list(cap)
+        self.ends: list[tuple[float, int]] = []  # (actual end, queue rank): ties end in queue order
+        self.running: dict[int, tuple[float, int, Alloc]] = {}  # rank -> (end by time limit, rank, allocation)
+        self.queue: list[int] = []  # pending ranks in queue order
+        # The head's reservation: it starts at ``shadow``; ``extra`` is what it leaves over on each
+        # node it will take, and ``long_free`` what a job running past ``shadow`` may use now.
+        self.shadow = 0.0
+        self.extra: dict[int, int] = {}
+        self.long_free: list[int] = []
+        self.nxt, self.dirty = 0, False  # the first job not yet arrived; whether GPUs came back
+
+    def add(self, job: SimJob) -> None:
+        self.jobs.append(job)
+        self.out.append((0.0, 0.0, "", []))
+
+    def snapshot(self, now: float) -> list[Queued]:
+        running = [Queued(self.jobs[i], True, tuple(n for n, _ in alloc), limit_end - now)
+                   for limit_end, i, alloc in sorted(self.running.values(), key=lambda r: r[1])]
+        pending = [*self.queue, *range(self.nxt, len(self.jobs))]
+        return running + [Queued(self.jobs[i], False, (), self.jobs[i].time_limit_s) for i in pending]
+
+    def start(self, i: int, t: float, alloc: Alloc) -> None:
         for n, c in alloc:
-            free[n] -= c
-        job = jobs[i]
-        ran, state = (min(job.runtime_s, oom_after_s), OUT_OF_MEMORY) if job.oom else (job.runtime_s, COMPLETED)
+            self.free[n] -= c
+        job = self.jobs[i]
+        ran, state = (min(job.runtime_s, self.oom_after_s), OUT_OF_MEMORY) if job.oom else (job.runtime_s, COMPLETED)
         if ran > job.time_limit_s:
             ran, state = job.time_limit_s, TIMEOUT
-        running[i] = (t + job.time_limit_s, i, alloc)
-        heapq.heappush(ends, (t + ran, i))
-        out[i] = (t, t + ran, state, alloc)
+        self.running[i] = (t + job.time_limit_s, i, alloc)
+        heapq.heappush(self.ends, (t + ran, i))
+        self.out[i] = (t, t + ran, state, alloc)
 
-    def reserve(head: int) -> None:
+    def reserve(self, head: int) -> None:
         """Earliest time the head fits if running jobs end at their limits, and where."""
-        nonlocal shadow, extra, long_free
-        sim = free[:]
-        by_limit = sorted(running.values())
+        sim = self.free[:]
+        by_limit = sorted(self.running.values())
         k = 0
         while k < len(by_limit):
-            shadow = by_limit[k][0]
-            while k < len(by_limit) and by_limit[k][0] == shadow:
+            self.shadow = by_limit[k][0]
+            while k < len(by_limit) and by_limit[k][0] == self.shadow:
                 for n, c in by_limit[k][2]:
                     sim[n] += c
                 k += 1
-            held = _place(gpus[head], sim, cap, max_gpn)
+            held = _place(self.jobs[head].gpus, sim, self.cap, self.max_gpn)
             if held is not None:
-                extra = {n: sim[n] - c for n, c in held}
-                long_free = [min(f, extra[n]) if n in extra else f for n, f in enumerate(free)]
+                self.extra = {n: sim[n] - c for n, c in held}
+                self.long_free = [min(f, self.extra[n]) if n in self.extra else f for n, f in enumerate(self.free)]
                 return
         raise AssertionError("a job that fits the empty pool found no reservation")
 
-    def backfill(t: float, lo: int) -> None:
+    def backfill(self, t: float, lo: int) -> None:
         """Start what fits among queue positions ``lo`` to the test depth without delaying the head."""
+        free, long_free, extra, queue = self.free, self.long_free, self.extra, self.queue
         # Placement only gets harder as jobs start, so once a size fails, every larger one of the
         # same kind fails too. fail[2 * multi-node + long]: the smallest size known not to fit.
         fail = [max(free) + 1, max(long_free) + 1, math.inf, math.inf]
         started = []
-        for pos in range(lo, min(len(queue), max_job_test)):
+        for pos in range(lo, min(len(queue), self.max_job_test)):
             if fail[0] == 1:  # not one GPU free
                 break
             i = queue[pos]
-            g = gpus[i]
-            long = t + limit[i] > shadow
-            kind = 2 * (g > max_gpn) + long
+            g = self.jobs[i].gpus
+            long = t + self.jobs[i].time_limit_s > self.shadow
+            kind = 2 * (g > self.max_gpn) + long
             if g >= fail[kind]:
                 continue
-            alloc = _place(g, long_free if long else free, cap, max_gpn)
+            alloc = _place(g, long_free if long else free, self.cap, self.max_gpn)
             if alloc is None:
                 fail[kind] = g
                 fail[kind | 1] = min(fail[kind | 1], g)  # what does not fit in free fits no less
                 continue
-            start(i, t, alloc)
+            self.start(i, t, alloc)
             for n, c in alloc:
                 if long and n in extra:
                     extra[n] -= c
@@ -285,37 +337,40 @@ def _run_pool(jobs: list[SimJob], cap: tuple[int, ...], oom_after_s: float,
         for pos in reversed(started):
             del queue[pos]
 
-    nxt, dirty = 0, False
-    while nxt < n_jobs or ends:
-        t = min(submit[nxt] if nxt < n_jobs else math.inf, ends[0][0] if ends else math.inf)
-        while ends and ends[0][0] == t:
-            for n, c in running.pop(heapq.heappop(ends)[1])[2]:
-                free[n] += c
-            dirty = True
-        first_new = len(queue)
-        while nxt < n_jobs and submit[nxt] == t:
-            queue.append(nxt)
-            nxt += 1
-        if dirty or first_new == 0:
-            # Resources came back or the queue was empty: FIFO from the head, then a fresh
-            # reservation and a backfill pass over the whole test depth.
-            dirty = False
-            k = 0
-            while k < len(queue):
-                alloc = _place(gpus[queue[k]], free, cap, max_gpn)
-                if alloc is None:
-                    break
-                start(queue[k], t, alloc)
-                k += 1
-            del queue[:k]
-            if queue:
-                reserve(queue[0])
-                backfill(t, 1)
-        else:
-            # Only arrivals: the reservation stands until a job ends, and jobs already tested still
-            # cannot start (free GPUs only shrank, time only moved on), so only new ones are tried.
-            backfill(t, first_new)
-    return out
+    def advance(self, until: float) -> None:
+        """Process every arrival and end before UNTIL (math.inf: run to the end)."""
+        jobs, ends, queue = self.jobs, self.ends, self.queue
+        while self.nxt < len(jobs) or ends:
+            t = min(jobs[self.nxt].submit_s if self.nxt < len(jobs) else math.inf, ends[0][0] if ends else math.inf)
+            if t >= until:
+                return
+            while ends and ends[0][0] == t:
+                for n, c in self.running.pop(heapq.heappop(ends)[1])[2]:
+                    self.free[n] += c
+                self.dirty = True
+            first_new = len(queue)
+            while self.nxt < len(jobs) and jobs[self.nxt].submit_s == t:
+                queue.append(self.nxt)
+                self.nxt += 1
+            if self.dirty or first_new == 0:
+                # Resources came back or the queue was empty: FIFO from the head, then a fresh
+                # reservation and a backfill pass over the whole test depth.
+                self.dirty = False
+                k = 0
+                while k < len(queue):
+                    alloc = _place(jobs[queue[k]].gpus, self.free, self.cap, self.max_gpn)
+                    if alloc is None:
+                        break
+                    self.start(queue[k], t, alloc)
+                    k += 1
+                del queue[:k]
+                if queue:
+                    self.reserve(queue[0])
+                    self.backfill(t, 1)
+            else:
+                # Only arrivals: the reservation stands until a job ends, and jobs already tested still
+                # cannot start (free GPUs only shrank, time only moved on), so only new ones are tried.
+                self.backfill(t, first_new)
 
 
 def summarize(results: Sequence[SimResult]) -> Summary:
