@@ -12,7 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.queue import GpuLedger
 from slurmgpu.simulation import scenario, scenario_report
+from slurmgpu.simulation.simulator import SimJob
 from slurmgpu.simulation.workload import LARGE_CLUSTER, fits, load_catalog
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -98,8 +100,9 @@ def test_decider_falls_back_to_the_rules_without_history() -> None:
     features = {j.script: script_features(j.script) for j in jobs}
     requests = {j.script: build_request(parse_script(j.script.encode())) for j in jobs}
     messages: list[str] = []
+    sim = scenario.Simulation(scenario.sim_cluster(sc.cluster))
     placed, used, note = scenario.model_decisions(jobs[:5], jobs, sc.cluster, config, features, requests, 10,
-                                                  messages.append)
+                                                  messages.append, sim)
     assert used.startswith("rules (fallback: too little history") and note.startswith(used)
     assert any("falling back to the rule decider" in m for m in messages)
     assert all(placed[j.job_id] == (j.req_gpu_type, j.req_gpus) for j in jobs)  # the requests are consistent
@@ -128,3 +131,22 @@ def test_cli(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "allocated_gpus.svg", "jct_cdf.svg", "results.json", "results.md"]
     assert json.loads((tmp_path / "out" / "results.json").read_text())["scenario"]["seed"] == 2
+
+
+def test_the_decider_reads_the_simulated_queue_as_squeue() -> None:
+    """The scenario's decider waits on the ledger the daemon builds from squeue, here from the
+    simulated queue: H100 nodes held by running jobs free at their limits, and pending jobs queue
+    behind them; other types stay free."""
+    cluster = LARGE_CLUSTER
+    h100 = next(p for part in cluster.partitions for p in part.pools if p.gres == "h100")
+    sim = scenario.Simulation(scenario.sim_cluster(cluster))
+    jobs = [SimJob(f"r{k}", 0.0, "H100", 8, 1000.0, 3600.0, partition="gpu-large") for k in range(len(h100.hosts))]
+    jobs += [SimJob(f"p{k}", 50.0, "H100", 8, 1000.0, 7200.0, partition="gpu-large") for k in range(len(h100.hosts))]
+    for j in jobs:
+        sim.submit(j)
+    queue = scenario.squeue(cluster, sim.queue(100.0))
+    assert [(q.job_id, q.running, q.seconds) for q in queue][:1] == [("r0", True, 3500.0)]
+    assert {n for q in queue if q.running for n in q.nodes} == set(h100.hosts)
+    ledger = GpuLedger.from_queue(cluster.slurm_nodes(), queue)
+    assert ledger.wait("h100", 8) == 3500.0 + 7200.0 and ledger.wait("h100", 1) == 3500.0 + 7200.0
+    assert ledger.wait("h200", 8) == 0.0

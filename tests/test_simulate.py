@@ -26,6 +26,7 @@ from slurmgpu.simulation.simulator import (
     SimCluster,
     SimJob,
     SimResult,
+    Simulation,
     compare_orders,
     efficiency,
     simulate,
@@ -60,6 +61,22 @@ def test_short_job_backfills_without_delaying_the_head() -> None:
     # B (4 GPUs) is reserved for t=100, when A's limit frees its 2 GPUs; C's limit ends exactly then.
     res = run([("a100", 1, 4)], [job("A", 0, 2, 100), job("B", 1, 4, 50), job("C", 2, 2, 30, 98)])
     assert spans(res) == {"A": (0, 100), "B": (100, 150), "C": (2, 32)}
+
+
+def test_the_queue_as_squeue_shows_it_between_submissions() -> None:
+    # The schedule of the backfill test above, read at t=50: A and C ran (C ended at 32), B waits.
+    sim = Simulation(SimCluster([("a100", 1, 4)]))
+    for j in (job("A", 0, 2, 100), job("B", 1, 4, 50), job("C", 2, 2, 30, 98)):
+        sim.submit(j)
+    queue = sim.queue(50)
+    assert [(q.job.job_id, q.running, q.nodes, q.seconds) for q in queue] == [("A", True, (0,), 50),
+                                                                              ("B", False, (), 50)]
+    sim.submit(job("D", 50, 1, 10))  # arrives now: pending until the next step is simulated
+    assert [q.job.job_id for q in sim.queue(50) if not q.running] == ["B", "D"]
+    assert {r.job_id: (r.start_s, r.end_s) for r in sim.results()} == {
+        "A": (0, 100), "B": (100, 150), "C": (2, 32), "D": (50, 60)}
+    with pytest.raises(ValueError, match="before the previous job"):
+        sim.submit(job("E", 40, 1, 10))
 
 
 def test_long_job_must_not_backfill() -> None:
@@ -223,6 +240,23 @@ def test_no_gpu_is_over_allocated(scenario: tuple[SimCluster, list[SimJob]]) -> 
     cluster, jobs = scenario
     results = simulate(jobs, cluster)
     assert simulate(jobs[::-1], cluster) == results
+    # Fed one job at a time with the queue read before each: the same schedule, and each reading
+    # holds exactly the jobs submitted before then that had not ended.
+    sim = Simulation(cluster)
+    by_submit = sorted(jobs, key=lambda j: (j.submit_s, j.job_id))
+    ends = {r.job_id: r for r in results}
+    for k, j in enumerate(by_submit):
+        queue = sim.queue(j.submit_s)
+        for t in cluster.gpu_types():  # pending ones in each type's queue order
+            assert [q.job.job_id for q in queue if not q.running and q.job.gpu_type == t] == [
+                i.job_id for i in by_submit[:k] if i.gpu_type == t and ends[i.job_id].start_s >= j.submit_s]
+        assert {q.job.job_id for q in queue} == {i.job_id for i in by_submit[:k] if ends[i.job_id].end_s >= j.submit_s}
+        for q in queue:
+            r = ends[q.job.job_id]
+            assert q.running == (r.start_s < j.submit_s) and r.end_s >= j.submit_s
+            assert q.seconds == (r.start_s + q.job.time_limit_s - j.submit_s if q.running else q.job.time_limit_s)
+        sim.submit(j)
+    assert sim.results() == results
     by_id = {j.job_id: j for j in jobs}
     event_times = {j.submit_s for j in jobs} | {r.end_s for r in results}
     events = []

@@ -296,7 +296,6 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     over = sorted(math.log(max(e["elapsed"], 1)) - p for e, p in
                   zip(run[cut:], probe([e["x"] for e in run[cut:]]), strict=True))
     spread = max(over[min(int(0.95 * len(over)), len(over) - 1)], 0.0) if over else 0.0
-    smearing = sum(math.exp(o) for o in over) / len(over) if over else 1.0
     _, run_trees = runtime_model(run)
     # The run time a job stays under 95 times in 100, given what it is (quantile trees, log): the
     # time-limit test of a move uses its ratio to the median, not only one margin for every job
@@ -305,7 +304,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
     bundle = Bundle({
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": memory, "memory_source": source,
-        "runtime": run_trees, "runtime_spread": spread, "runtime_smearing": smearing, "runtime_upper": upper_trees,
+        "runtime": run_trees, "runtime_spread": spread, "runtime_upper": upper_trees,
         "history": {"families": snapshot.families, "archs": snapshot.archs},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
         "jobs": len(examples),

@@ -315,9 +315,6 @@ class Bundle:
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
-        # The mean run time over the median the trees predict (Duan's smearing factor, measured on
-        # newer jobs): how long a job holds its GPUs on average, for a queue forecast. Older: 1.
-        self.runtime_smearing = max(_number(data.get("runtime_smearing", 1.0), "runtime_smearing"), 1e-3)
         # The 95th-percentile run time (quantile trees, log): the time-limit test's margin per job.
         # Older bundles have none: the single runtime_spread margin stands.
         self.runtime_upper = TreeEnsemble(data["runtime_upper"], "runtime_upper") if "runtime_upper" in data else None

@@ -2,11 +2,11 @@
 
 A policy can only be judged by what it does to a busy queue, which cannot be tried on a real
 cluster, so the same generated jobs are placed by each policy and replayed with
-``slurmgpu.simulation.simulator``. Every policy decides once, at submission, from what is known then; none
-sees the simulation (no feedback). How each job then behaves on the GPUs it got comes from the
-workload model: ``fits`` decides whether it runs out of GPU memory (it then dies after
-``simulate.OOM_AFTER_S``), ``runtime_s`` how long it runs, and it keeps its requested time limit
-(a job moved to a slower card may time out).
+``slurmgpu.simulation.simulator``. Every policy decides once, at submission, from what is known
+then; slurmgpu's decider reads the simulated queue as it stands, as it reads squeue live. How each
+job then behaves on the GPUs it got comes from the workload model: ``fits`` decides whether it runs
+out of GPU memory (it then dies after ``simulate.OOM_AFTER_S``), ``runtime_s`` how long it runs,
+and it keeps its requested time limit (a job moved to a slower card may time out).
 
 The policies:
 
@@ -20,11 +20,11 @@ The policies:
 - ``slurmgpu``: ``ModelDecider`` with a bundle trained (``train.fit``) on the first
   ``train_share`` of the jobs by submit time, their rows built as ``train.history_rows`` returns
   them from what the collector and sacct would have recorded on the requested GPUs. Only the rest
-  is evaluated, under every policy. Its expected wait per type comes from a queue ledger
-  (``pipeline/queue.py``) as the live daemon builds it from squeue: every earlier evaluated job
-  holds the GPUs it was placed on from when they free up, for its predicted runtime (capped by its
-  time limit; ``QUEUE_RUNTIME_SHARE`` of the limit when the decider predicted none); true
-  runtimes are never seen. When training is impossible it falls back to ``RuleDecider`` and says so.
+  is evaluated, under every policy. Its expected wait per type comes from the queue ledger
+  (``pipeline/queue.py``) the live daemon builds from squeue, built here from the simulated queue at
+  the job's submit time (``squeue``: running jobs hold their GPUs for the time left to their
+  limits, pending ones for their limits); true runtimes are never seen. When training is
+  impossible it falls back to ``RuleDecider`` and says so.
 - ``oracle``: knows each job's true peak memory and runtime. Among the types whose partition
   admits the time limit, and counts up to the request, that truly fit, it picks the one with the
   earliest estimated completion (a first-come-first-served ledger of its own earlier choices
@@ -56,9 +56,11 @@ from slurmgpu.pipeline.script import parse_script
 from slurmgpu.reporting.queries import IDLE_UTIL_PCT
 from slurmgpu.simulation.simulator import (
     Efficiency,
+    Queued,
     SimCluster,
     SimJob,
     SimResult,
+    Simulation,
     Summary,
     efficiency,
     simulate,
@@ -77,11 +79,9 @@ from slurmgpu.simulation.workload.catalog import relative_cost, relative_speed
 from slurmgpu.simulation.workload.perf import peak_mem_mib, runtime_s, used_gpus
 from slurmgpu.simulation.workload.schedule import Outcome
 from slurmgpu.simulation.workload.schedule import simulate as history_runs
+from slurmgpu.slurm.backend import QueuedJob
 
 RULE_SAFETY = 1.2
-# Of its time limit, how long the queue ledger expects a job without a prediction to run (sites'
-# accounting typically shows median runtime well under half the limit; half errs towards waiting).
-QUEUE_RUNTIME_SHARE = 0.5
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")  # as train.history_rows keeps them
 
 
@@ -223,10 +223,26 @@ def training_rows(jobs: Sequence[JobSpec], cluster: ClusterSpec, features: Mappi
             for r in history_runs(jobs, cluster) if r.state in USED_STATES]
 
 
+def squeue(cluster: ClusterSpec, queue: Iterable[Queued]) -> list[QueuedJob]:
+    """The simulated queue as the Slurm backend reads squeue: GPU types by their gres names, nodes
+    by host name, a running job's time left to its limit, a pending one's limit."""
+    gres = {pool.gpu_type: pool.gres for part in cluster.partitions for pool in part.pools}
+    hosts: dict[str, list[str]] = {}
+    for part in cluster.partitions:  # in sim_cluster's order: a pool's node indices
+        for pool in part.pools:
+            hosts.setdefault(pool.gpu_type, []).extend(pool.hosts)
+    return [QueuedJob(q.job.job_id, q.running, tuple(hosts[q.job.gpu_type][n] for n in q.nodes), q.seconds,
+                      {gres[q.job.gpu_type]: q.job.gpus}, max(len(q.nodes), 1), q.job.partition or "")
+            for q in queue]
+
+
 def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: ClusterSpec, config: Config,
                     features: Mapping[str, Mapping[str, Any]], requests: Mapping[str, JobRequest],
-                    iterations: int, progress: Callable[[str], None]) -> tuple[dict[str, Outcome], str, str]:
-    """Placements by slurmgpu's decider, which decider made them, and a note on what it changed."""
+                    iterations: int, progress: Callable[[str], None],
+                    sim: Simulation) -> tuple[dict[str, Outcome], str, str]:
+    """Placements by slurmgpu's decider, which decider made them, and a note on what it changed.
+    Each job is submitted to SIM as placed, in submit order, so a later decision reads the queue
+    that earlier ones made (``squeue``)."""
     from slurmgpu.learning.train import fit
 
     capacity: dict[str, int] = {}
@@ -234,20 +250,26 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
         for pool in part.pools:
             capacity[pool.gres] = capacity.get(pool.gres, 0) + len(pool.hosts) * pool.gpus_per_node
     deciders: dict[str, Decider] = {}
-    ledger = GpuLedger.from_queue(cluster.slurm_nodes(), [])
-    clock = [0.0]  # the submit time being decided, seconds from the first evaluated job
+    nodes = cluster.slurm_nodes()
     t0 = jobs[0].submit_time if jobs else datetime(1970, 1, 1)
+    now = [0.0, -1.0]  # the submit time being decided (s from t0), and the jobs submitted when its ledger was read
+    ledger = [GpuLedger({})]
+
+    def wait(gpu_type: str, gpus: int) -> float:
+        if now[1] != len(placed):  # squeue is read once per decision
+            ledger[0] = GpuLedger.from_queue(nodes, squeue(cluster, sim.queue(now[0])))
+            now[1] = len(placed)
+        return ledger[0].wait(gpu_type, gpus)
+
     try:
         bundle, _ = fit(training_rows(train, cluster, features, requests), config, iterations=iterations,
                         progress=progress)
         used = "model"
-        smearing = bundle.runtime_smearing
 
         def decider(user: str) -> Decider:
-            return ModelDecider(config, bundle, lambda: capacity, user, partition_admits(cluster),
-                                wait=lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, clock[0]))
+            return ModelDecider(config, bundle, lambda: capacity, user, partition_admits(cluster), wait=wait)
     except (ValueError, ImportError) as exc:
-        used, smearing = f"rules (fallback: {exc})", 1.0
+        used = f"rules (fallback: {exc})"
         progress(f"cannot train the model decider ({exc}); falling back to the rule decider")
 
         def decider(user: str) -> Decider:
@@ -255,17 +277,16 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
 
     to_type = {pool.gres: pool.gpu_type for part in cluster.partitions for pool in part.pools}
     decided: dict[tuple[str, str], Outcome] = {}  # (user, script): an array's tasks are one decision
-    placed, changed, infeasible = {}, 0, 0
-    runtimes: dict[tuple[str, str], dict[tuple[str, int], float]] = {}
-    for job in jobs:
+    placed: dict[str, Outcome] = {}
+    changed, infeasible = 0, 0
+    for job in sorted(jobs, key=lambda j: (j.submit_time, j.job_id)):  # simulate's queue order
         key = (job.user, job.script)
-        clock[0] = (job.submit_time - t0).total_seconds()
+        now[0] = (job.submit_time - t0).total_seconds()
         if key not in decided:
             choice = Outcome(job.req_gpu_type, job.req_gpus)
             if job.user not in deciders:
                 deciders[job.user] = decider(job.user)
             decision = deciders[job.user].decide(requests[job.script])
-            runtimes[key] = {(c.gpu_type, c.gpus): c.pred_runtime_s for c in decision.per_type}
             if decision.changes and not decision.refusal:
                 change = decision.changes[0]
                 gres = change.gpu_type or cluster.gres_name(job.req_gpu_type)
@@ -276,11 +297,7 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
                     infeasible += 1
             decided[key] = choice
         placed[job.job_id] = decided[key]
-        gres = cluster.gres_name(decided[key].gpu_type)
-        predicted = runtimes[key].get((gres, decided[key].gpus))
-        # The mean run time, not the median the trees predict: how long GPUs are held on average.
-        expected = predicted * smearing if predicted is not None else QUEUE_RUNTIME_SHARE * job.time_limit_s
-        ledger.reserve(gres, decided[key].gpus, clock[0], min(expected, job.time_limit_s))
+        sim.submit(sim_job(job, t0, decided[key]))
         changed += placed[job.job_id] != (job.req_gpu_type, job.req_gpus)
     note = f"{used}; changed {changed:,} of {len(jobs):,} jobs"
     return placed, used, note + (f"; {infeasible} decisions beyond a node kept as asked" if infeasible else "")
@@ -324,16 +341,16 @@ def fits_somewhere(job: JobSpec, cluster: ClusterSpec) -> bool:
 
 # ---- simulation and measures ------------------------------------------------------------------
 
+def sim_job(job: JobSpec, t0: datetime, placed: Outcome) -> SimJob:
+    """The job as placed, with what the workload model says it then does; T0 is time zero."""
+    gpu_type, gpus = placed
+    return SimJob(job.job_id, (job.submit_time - t0).total_seconds(), gpu_type, gpus, runtime_s(job, gpu_type, gpus),
+                  float(job.time_limit_s), not fits(job, gpu_type, gpus), job.user, job.partition)
+
+
 def sim_jobs(jobs: Sequence[JobSpec], placed: Mapping[str, Outcome]) -> list[SimJob]:
-    """The jobs as placed, with what the workload model says they then do; t0 is the first submit."""
-    t0 = jobs[0].submit_time
-    out = []
-    for job in jobs:
-        gpu_type, gpus = placed[job.job_id]
-        out.append(SimJob(job.job_id, (job.submit_time - t0).total_seconds(), gpu_type, gpus,
-                          runtime_s(job, gpu_type, gpus), float(job.time_limit_s),
-                          not fits(job, gpu_type, gpus), job.user, job.partition))
-    return out
+    """The jobs as placed; t0 is the first submit."""
+    return [sim_job(job, jobs[0].submit_time, placed[job.job_id]) for job in jobs]
 
 
 def measure(jobs: Sequence[JobSpec], results: Sequence[SimResult]) -> Efficiency:
@@ -369,8 +386,10 @@ def evaluate(scenario: Scenario, progress: Callable[[str], None] = lambda s: Non
             requests[job.script] = build_request(parse_script(job.script.encode(), f"{job.job_id}.sh"), (), {},
                                                  config.gpu_features())
     cost = {pool.gpu_type: config.gpu_types[pool.gres].cost for part in cluster.partitions for pool in part.pools}
+    sim = sim_cluster(cluster)
+    closed = Simulation(sim)
     model, decider, model_note = model_decisions(train, tested, cluster, config, features, requests,
-                                                 scenario.iterations, progress)
+                                                 scenario.iterations, progress, closed)
     rule = static_rule(tested, cluster, features)
     placements = {
         "request": (honour(tested), "every job as asked"),
@@ -378,11 +397,10 @@ def evaluate(scenario: Scenario, progress: Callable[[str], None] = lambda s: Non
         "slurmgpu": (model, model_note),
         "oracle": (oracle(tested, cluster, cost), "true peak and runtime; earliest estimated completion"),
     }
-    sim = sim_cluster(cluster)
     policies = []
     for name, (placed, note) in placements.items():
         progress(f"simulating {POLICIES[name]}")
-        results = simulate(sim_jobs(tested, placed), sim)
+        results = closed.results() if name == "slurmgpu" else simulate(sim_jobs(tested, placed), sim)
         policies.append(PolicyResult(name, placed, note, results, summarize(results), measure(tested, results)))
     unfittable = sum(not fits_somewhere(j, cluster) for j in tested)
     return Evaluation(scenario, len(jobs), len(train), tested, decider, unfittable, config, policies,
