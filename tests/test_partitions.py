@@ -102,3 +102,31 @@ def test_read_from_the_live_cluster() -> None:
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout
     assert set().union(*(r.nodes or set() for r in rules.values())) == set(nodes.split())
     assert all(r.state == "UP" for r in rules.values())
+
+
+def test_gsbatch_asks_scontrol_once_a_minute_at_most(tmp_path: Path) -> None:
+    """gsbatch reads the partition rules from a private per-user cache of scontrol's answer (0600),
+    asks again once it is a minute old, and keeps no answer it cannot parse."""
+    import os
+    import stat
+
+    from slurmgpu.apps.site import cached_partitions
+
+    calls, answer = tmp_path / "calls", tmp_path / "answer.txt"
+    answer.write_text(CAPTURED)
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho x >> {calls}\ncat {answer}\n")
+    fake.chmod(0o755)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = cached_partitions(env, scontrol=str(fake))
+    assert first == parse_partitions(CAPTURED) and cached_partitions(env, scontrol=str(fake)) == first
+    assert calls.read_text().count("x") == 1
+    kept = tmp_path / "cache" / "slurmgpu" / "partitions.txt"
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    os.utime(kept, (kept.stat().st_atime - 61, kept.stat().st_mtime - 61))  # a minute old
+    assert cached_partitions(env, scontrol=str(fake)) == first and calls.read_text().count("x") == 2
+    answer.write_text("slurm_load_partitions: Unable to contact slurm controller\n")
+    os.utime(kept, (kept.stat().st_atime - 61, kept.stat().st_mtime - 61))
+    with pytest.raises(ValueError):
+        cached_partitions(env, scontrol=str(fake))
+    assert kept.read_text() == CAPTURED  # the last good answer stays

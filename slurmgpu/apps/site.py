@@ -117,10 +117,8 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
         return KeepDecider("model unusable")
     admits = None
     if config.policy.move_partitions:  # a move to another partition needs Slurm's rules for it
-        from slurmgpu.slurm.partitions import read_partitions
-
         try:
-            rules, error = read_partitions(), None
+            rules, error = cached_partitions(env), None
         except (OSError, ValueError) as exc:
             rules, error = None, str(exc)
         admits = slurm_admits(rules, error, user, os.getuid())
@@ -152,6 +150,34 @@ def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, 
         return rules[name].refusal(job)
 
     return check
+
+
+def cached_partitions(env: Mapping[str, str], ttl_s: float = 60.0,
+                      scontrol: str = "scontrol") -> dict[str, PartitionRules]:
+    """Slurm's partition rules for gsbatch, from a per-user cache of ``scontrol show partition`` a
+    minute old at most: they change when an admin edits slurm.conf, not between submissions, and
+    every scontrol call is one more RPC slurmctld serves. OSError/ValueError as read_partitions."""
+    import time
+
+    from slurmgpu.slurm.partitions import parse_partitions, show_partitions
+
+    path = os.path.join(user_cache_dir(env), "partitions.txt")
+    try:
+        if not 0 <= time.time() - os.stat(path).st_mtime < ttl_s:
+            raise OSError("stale")
+        with open(path) as fh:
+            return parse_partitions(fh.read())
+    except (OSError, ValueError):
+        pass
+    text = show_partitions(scontrol)
+    rules = parse_partitions(text)  # nonsense is refused before it is kept
+    try:
+        from slurmgpu.pipeline.spool import write_private
+
+        write_private(path, text.encode())
+    except OSError:
+        pass
+    return rules
 
 
 def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:

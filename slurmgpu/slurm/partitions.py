@@ -214,6 +214,11 @@ def parse_partitions(text: str) -> dict[str, PartitionRules]:
 def read_partitions(scontrol: str = "scontrol", timeout: float = 10.0) -> dict[str, PartitionRules]:
     """The cluster's partitions now (runs ``scontrol show partition -o``); OSError/ValueError when
     it cannot be asked or answers nonsense. Never call it while slurmctld waits on the caller."""
+    return parse_partitions(show_partitions(scontrol, timeout))
+
+
+def show_partitions(scontrol: str = "scontrol", timeout: float = 10.0) -> str:
+    """What ``scontrol show partition -o`` prints; OSError when it cannot be asked."""
     try:
         res = subprocess.run([scontrol, "show", "partition", "-o"], capture_output=True, text=True,
                              timeout=timeout, check=False)
@@ -221,7 +226,7 @@ def read_partitions(scontrol: str = "scontrol", timeout: float = 10.0) -> dict[s
         raise OSError(f"{scontrol} show partition timed out") from exc
     if res.returncode != 0:
         raise OSError(f"{scontrol} show partition: {res.stderr.strip() or f'exit {res.returncode}'}")
-    return parse_partitions(res.stdout)
+    return res.stdout
 
 
 def user_groups(user: str | None, uid: int | None) -> frozenset[str] | None:
