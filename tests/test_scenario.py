@@ -54,6 +54,20 @@ def test_oracle_never_runs_out_of_memory_and_is_no_slower(evaluation: scenario.E
     assert oracle.summary.mean_jct_s <= request.summary.mean_jct_s
 
 
+def test_no_policy_gives_a_job_fewer_gpus_than_its_launcher_starts(evaluation: scenario.Evaluation) -> None:
+    """torchrun --nproc_per_node=4 on 3 GPUs starts 4 processes on 3 cards: the oracle, which knows
+    how many GPUs a job truly uses, is bound by a count the script writes as the decider is."""
+    from slurmgpu.pipeline.launch import launch_need
+
+    written = {j.job_id: launch_need(j.script).min_gpus for j in evaluation.jobs}
+    assert sum((n or 0) > 1 for n in written.values()) > 50  # the small scenario has such launches
+    for p in evaluation.policies:
+        assert all(p.placed[j].gpus >= n for j, n in written.items() if n), p.name
+    oracle = next(p for p in evaluation.policies if p.name == "oracle")
+    fewer = [j for j in evaluation.jobs if oracle.placed[j.job_id].gpus < j.req_gpus]
+    assert fewer and any(written[j.job_id] is None for j in fewer)  # it still trims what truly goes unused
+
+
 def test_static_rule_never_picks_a_card_below_its_estimate(evaluation: scenario.Evaluation) -> None:
     rule = next(p for p in evaluation.policies if p.name == "rule")
     cat = load_catalog()

@@ -11,9 +11,12 @@ count. Anything else keeps its count; only the GPU type may change.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from slurmgpu.pipeline.features import command_lines
+
+if TYPE_CHECKING:
+    from slurmgpu.pipeline.request import JobRequest
 
 # A launcher's process count written as a number (not a variable): group "n" is the count.
 _FIXED_COUNT = re.compile(
@@ -56,3 +59,9 @@ def launch_need(script: str, per_task: bool = False) -> LaunchNeed:
         return LaunchNeed(1, "srun starts the job's tasks, each on its GPUs per task")
     return LaunchNeed(None, "the script does not show that it adapts to another GPU count; only the GPU type "
                             "may change")
+
+
+def request_launch_need(request: JobRequest) -> LaunchNeed:
+    """``launch_need`` of a job's script (none: nothing shows it adapts), its GPUs asked per task or not."""
+    gpus = request.main.gpus
+    return launch_need(request.script.text if request.script else "", per_task=bool(gpus) and gpus[0].per == "task")

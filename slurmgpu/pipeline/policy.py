@@ -221,7 +221,7 @@ class ModelDecider:
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.pipeline.features import script_features
-        from slurmgpu.pipeline.launch import launch_need
+        from slurmgpu.pipeline.launch import request_launch_need
 
         rule = self.rules.decide(request)
         if rule.refusal:
@@ -245,7 +245,7 @@ class ModelDecider:
             offered += [p for p in self.config.partitions.values() if p not in offered]
         req_type, req_total = comp.gpu_type, comp.gpus_total
         # Fewer GPUs only as far as the launch follows (pipeline/launch.py); else only the type changes.
-        need = launch_need(request.script.text, per_task=comp.gpus[0].per == "task").min_gpus
+        need = request_launch_need(request).min_gpus
         fewest = need or req_total
         free = self.free_gpus() if self.wait is None else {}
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}

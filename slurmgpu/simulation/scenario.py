@@ -25,12 +25,13 @@ The policies:
   the job's submit time (``squeue``: running jobs hold their GPUs for the time left to their
   limits, pending ones for their limits); true runtimes are never seen. When training is
   impossible it falls back to ``RuleDecider`` and says so.
-- ``oracle``: knows each job's true peak memory and runtime. Among the types whose partition
-  admits the time limit, and counts up to the request, that truly fit, it picks the one with the
-  earliest estimated completion (a first-come-first-served ledger of its own earlier choices
-  with true runtimes), then the lowest runtime x GPUs x cost; it prefers candidates that finish
-  within the time limit. A job no card can hold keeps its request and runs out of memory under
-  every policy (reported as ``unfittable``).
+- ``oracle``: knows each job's true peak memory and runtime, and how many GPUs it truly uses.
+  Among the types whose partition admits the time limit, and counts from the process count its
+  launcher writes (if any: ``pipeline/launch.py``, the decider's rule) up to the request, that
+  truly fit, it picks the one with the earliest estimated completion (a first-come-first-served
+  ledger of its own earlier choices with true runtimes), then the lowest runtime x GPUs x cost;
+  it prefers candidates that finish within the time limit. A job no card can hold keeps its
+  request and runs out of memory under every policy (reported as ``unfittable``).
 
 The decider's config (``scenario_config``) describes the scenario cluster with GPU types named as
 in gres.conf, memory from the catalog, and relative speed and cost derived from it (see
@@ -49,6 +50,7 @@ import numpy as np
 from slurmgpu.pipeline.bundle import analytic_base_mib
 from slurmgpu.pipeline.config import Config, GpuType, Partition, Policy
 from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.launch import request_launch_need
 from slurmgpu.pipeline.policy import Admits, Decider, ModelDecider, RuleDecider
 from slurmgpu.pipeline.queue import GpuLedger
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest, build_request
@@ -303,8 +305,10 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
     return placed, used, note + (f"; {infeasible} decisions beyond a node kept as asked" if infeasible else "")
 
 
-def oracle(jobs: Sequence[JobSpec], cluster: ClusterSpec, cost: Mapping[str, float]) -> dict[str, Outcome]:
-    """Earliest estimated completion among truly fitting placements; see the module docstring."""
+def oracle(jobs: Sequence[JobSpec], cluster: ClusterSpec, cost: Mapping[str, float],
+           requests: Mapping[str, JobRequest]) -> dict[str, Outcome]:
+    """Earliest estimated completion among truly fitting placements; see the module docstring.
+    REQUESTS: each script's parsed request, for the process count its launcher writes."""
     t0 = jobs[0].submit_time
     free = {pool.gpu_type: np.zeros((len(pool.hosts), pool.gpus_per_node))
             for part in cluster.partitions for pool in part.pools}
@@ -312,10 +316,14 @@ def oracle(jobs: Sequence[JobSpec], cluster: ClusterSpec, cost: Mapping[str, flo
     for job in jobs:
         submit = (job.submit_time - t0).total_seconds()
         best: tuple[tuple[bool, float, float], str, int, int] | None = None
-        peaks = [peak_mem_mib(job, job.req_gpu_type, k) for k in range(1, min(job.req_gpus, job.params["nproc"]) + 1)]
+        # It knows how many GPUs a job really uses, but not a way round a count its launcher writes
+        # (torchrun --nproc_per_node=4 on 3 GPUs starts 4 processes on 3 cards).
+        fewest = request_launch_need(requests[job.script]).min_gpus or 1
+        counts = range(min(fewest, job.req_gpus), min(job.req_gpus, job.params["nproc"]) + 1)
+        peaks = {k: peak_mem_mib(job, job.req_gpu_type, k) for k in counts}
         for gpu_type, slots in free.items():
             ready_by_k = np.sort(slots, axis=1)  # column k-1: when k GPUs of each node are free
-            for k, peak in enumerate(peaks, 1):  # the same tensors on any card
+            for k, peak in peaks.items():  # the same tensors on any card
                 if peak > _memory_mib(gpu_type) or not _admits(cluster, job, gpu_type, k):
                     continue
                 ready = ready_by_k[:, k - 1]
@@ -395,7 +403,7 @@ def evaluate(scenario: Scenario, progress: Callable[[str], None] = lambda s: Non
         "request": (honour(tested), "every job as asked"),
         "rule": (rule, f"changed {sum(rule[j.job_id] != (j.req_gpu_type, j.req_gpus) for j in tested):,} jobs"),
         "slurmgpu": (model, model_note),
-        "oracle": (oracle(tested, cluster, cost), "true peak and runtime; earliest estimated completion"),
+        "oracle": (oracle(tested, cluster, cost, requests), "true peak and runtime; earliest estimated completion"),
     }
     policies = []
     for name, (placed, note) in placements.items():
