@@ -117,11 +117,19 @@ def test_the_demo_shows_both_models_side_by_side(result: dict) -> None:
         assert len(re.findall(r"kept:|refused|\d+ x \w+", row)) >= 2, row
 
 
-def test_examples_without_history_are_not_changed_by_the_model(result: dict) -> None:
+def test_examples_without_history_move_at_most_to_a_card_as_large_and_fast(result: dict) -> None:
+    """The example scripts are families the demo's history never ran: kept, or given a card with
+    at least the memory and datasheet speed of the one asked, as many GPUs."""
+    types = result["config"].gpu_types
     for path, plan in result["plans"].items():
         if "/contrib/examples/" in path and not plan.decision.refusal:
             assert any("earlier jobs of this family" in r or "pins" in r or "request kept" in r
                        for r in plan.decision.reasons), (path, plan.decision.reasons)
+            asked = plan.request.main
+            for change in plan.decision.changes if any("as large and fast" in r for r in plan.decision.reasons) else ():
+                assert change.gpus_total is None and asked.gpu_type and change.gpu_type, (path, change)
+                assert types[change.gpu_type].memory_gib >= types[asked.gpu_type].memory_gib
+                assert types[change.gpu_type].relative_speed >= types[asked.gpu_type].relative_speed
 
 
 def test_the_gate_keeps_the_installed_model_against_a_worse_or_unevaluated_one(result: dict) -> None:

@@ -164,6 +164,23 @@ def test_decider_never_picks_a_card_the_job_does_not_fit(trained, config) -> Non
                 assert v.fits
 
 
+def test_a_family_without_history_moves_only_to_a_card_as_large_and_fast(trained, config) -> None:
+    """Too new to trust its predictions: the request stands unless a card with at least the memory
+    and the datasheet speed of the one asked (a100 over v100), as many, finishes sooner; a smaller
+    or slower card (t4) never, however idle."""
+    config = config._replace(policy=config.policy._replace(objective="fastest"))
+    new = "#!/bin/bash\n#SBATCH --gres=gpu:v100:2\n#SBATCH -t 12:00:00\npython brand_new.py --batch-size 8\n"
+    d = decide(trained[0], config, new, free={"a100": 8, "v100": 0, "t4": 8})
+    assert d.changed and d.changes[0].gpu_type == "a100" and d.changes[0].gpus_total is None, d.reasons
+    assert "0 earlier jobs of this family (< 3): only a card at least as large and fast as asked; 2 x a100 " \
+        "(80 GiB, speed 1 vs 32 GiB, 0.45)" in d.reasons[-1]
+    shown = {c.gpu_type: c for c in d.per_type if c.gpus == 2}
+    assert f"{(shown['a100'].expected_wait_s + shown['a100'].pred_runtime_s) / 60:.0f} min vs " in d.reasons[-1]
+    assert not decide(trained[0], config, new, free={"a100": 0, "v100": 8, "t4": 8}).changed  # as asked is sooner
+    on_a100 = new.replace("gpu:v100:2", "gpu:a100:2")
+    assert not decide(trained[0], config, on_a100, free={"a100": 0, "v100": 8, "t4": 8}).changed
+
+
 def test_no_history_and_pinned_jobs_are_kept(trained, config) -> None:
     bundle = trained[0]
     unknown = "#!/bin/bash\n#SBATCH --gres=gpu:a100:1\npython brand_new.py --batch-size 8\n"

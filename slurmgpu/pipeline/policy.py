@@ -262,10 +262,11 @@ class ModelDecider:
         seen = self._seen(sf["family"], req_type, req_total)
         table = self.candidates(sf, req, shapes, min(need or req_total, req_total), free)
         per_type = tuple(table)
-        if fam_n < policy.min_history:
-            return self._keep(rule, f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history}); "
-                                    "request kept", per_type)
+        new_family = fam_n < policy.min_history
+        too_new = f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history})"
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
+        if new_family and (not asked or req_type is None):
+            return self._keep(rule, too_new + "; request kept", per_type)
         if not asked:
             return self._keep(rule, "model: the requested type/count is outside the configured partitions; "
                                     "request kept", per_type)
@@ -279,19 +280,33 @@ class ModelDecider:
                 if gtype not in home and (p.name == effective or self.admits is None
                                           or self.admits(p.name, comp) is None):
                     home[gtype] = p.name
-        enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
+        if new_family:
+            # Its predictions are not trusted, but a card with at least the memory and the datasheet
+            # speed of the one asked, as many of them, holds whatever the request holds and runs it
+            # no slower: such a move needs no prediction of the job's own peak.
+            asked_gt = self.config.gpu_types[req_type or ""]
+            enough: list[Candidate | None] = [
+                c for c in table if c.gpus == req_total and c.gpu_type != req_type
+                and self.config.gpu_types[c.gpu_type].memory_gib >= asked_gt.memory_gib
+                and self.config.gpu_types[c.gpu_type].relative_speed >= asked_gt.relative_speed]
+        else:
+            enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
         choices = [c for c in enough if c is not None and c.gpu_type in home
                    and self._in_time(c, baseline, comp.time_limit_s)]
+        if new_family and not choices:
+            return self._keep(rule, too_new + "; request kept", per_type)
         # What would make the request as asked fit (or how close it runs): part of the reason line.
-        hint = self._fit_hint(request, sf, req, baseline, table, seen, offered) if not baseline.fits \
-            else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
+        hint = "" if new_family else self._fit_hint(request, sf, req, baseline, table, seen, offered) \
+            if not baseline.fits else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
         if not choices:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
                                     "request kept" + hint, per_type)
         best = min(choices, key=lambda c: self._score(c, baseline))
         gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline)
-        if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
+        if not baseline.fits and not new_family:  # it would run out of GPU memory: any fitting choice wins
             gain = 1.0
+        if new_family and gain < policy.min_gain:
+            return self._keep(rule, too_new + "; request kept", per_type)
         if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept"
                                     + hint, per_type)
@@ -299,6 +314,14 @@ class ModelDecider:
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
+        if new_family:
+            asked_gt, best_gt = self.config.gpu_types[baseline.gpu_type], self.config.gpu_types[best.gpu_type]
+            why = (f"{too_new}: only a card at least as large and fast as asked; {best.gpus} x {best.gpu_type} "
+                   f"({best_gt.memory_gib:g} GiB, speed {best_gt.relative_speed:g} vs {asked_gt.memory_gib:g} GiB, "
+                   f"{asked_gt.relative_speed:g}) predicted to finish in "
+                   f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
+                   f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked ({gain:.0%} better)")
+            return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
         if not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type} fits "
