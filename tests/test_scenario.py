@@ -44,6 +44,16 @@ def test_small_scenario_runs_every_policy(evaluation: scenario.Evaluation) -> No
     assert all(request.placed[j.job_id] == (j.req_gpu_type, j.req_gpus) for j in jobs)
 
 
+def test_the_decider_decides_each_submission_once(evaluation: scenario.Evaluation) -> None:
+    """gsbatch decides once per sbatch: an array's tasks share the placement."""
+    placed = next(p for p in evaluation.policies if p.name == "slurmgpu").placed
+    arrays: dict[str, set] = {}
+    for j in evaluation.jobs:
+        if "_" in j.job_id:
+            arrays.setdefault(j.job_id.partition("_")[0], set()).add(placed[j.job_id])
+    assert len(arrays) > 10 and all(len(p) == 1 for p in arrays.values())
+
+
 def test_oracle_never_runs_out_of_memory_and_is_no_slower(evaluation: scenario.Evaluation) -> None:
     by_name = {p.name: p for p in evaluation.policies}
     oracle, request = by_name["oracle"], by_name["request"]

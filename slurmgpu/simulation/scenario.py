@@ -278,11 +278,11 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
             return RuleDecider(config)
 
     to_type = {pool.gres: pool.gpu_type for part in cluster.partitions for pool in part.pools}
-    decided: dict[tuple[str, str], Outcome] = {}  # (user, script): an array's tasks are one decision
+    decided: dict[str, Outcome] = {}  # by submission: an array's tasks ("<id>_<task>") are one decision
     placed: dict[str, Outcome] = {}
     changed, infeasible = 0, 0
     for job in sorted(jobs, key=lambda j: (j.submit_time, j.job_id)):  # simulate's queue order
-        key = (job.user, job.script)
+        key = job.job_id.partition("_")[0]
         now[0] = (job.submit_time - t0).total_seconds()
         if key not in decided:
             choice = Outcome(job.req_gpu_type, job.req_gpus)
