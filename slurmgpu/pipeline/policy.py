@@ -314,24 +314,22 @@ class ModelDecider:
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
+        finish = (f"predicted to finish in {(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
+                  f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
+                  f"({gain:.0%} better)")
         if new_family:
             asked_gt, best_gt = self.config.gpu_types[baseline.gpu_type], self.config.gpu_types[best.gpu_type]
             why = (f"{too_new}: only a card at least as large and fast as asked; {best.gpus} x {best.gpu_type} "
                    f"({best_gt.memory_gib:g} GiB, speed {best_gt.relative_speed:g} vs {asked_gt.memory_gib:g} GiB, "
-                   f"{asked_gt.relative_speed:g}) predicted to finish in "
-                   f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
-                   f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked ({gain:.0%} better)")
-            return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
-        if not baseline.fits:
+                   f"{asked_gt.relative_speed:g}) {finish}")
+        elif not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type} fits "
                    f"({best.pred_peak_mem_mib / 1024:.1f} GiB, {best.margin:.0%} margin){hint}")
-            return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
-        why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} predicted to finish in "
-               f"{(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
-               f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
-               f"({gain:.0%} better), peak {best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
-               f"{_borderline(best, self.config.gpu_types[best.gpu_type])}")
+        else:
+            why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} {finish}, peak "
+                   f"{best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
+                   f"{_borderline(best, self.config.gpu_types[best.gpu_type])}")
         return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
 
     @staticmethod
