@@ -152,31 +152,48 @@ def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, 
     return check
 
 
+def _fresh_cache(env: Mapping[str, str], name: str, ttl_s: float) -> tuple[str, str | None, float]:
+    """A per-user cache file of gsbatch's: its path, its text when it is less than TTL_S old (else
+    None: absent, stale, unreadable) and its age in seconds."""
+    import time
+
+    path = os.path.join(user_cache_dir(env), name)
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        if 0 <= age < ttl_s:
+            with open(path) as fh:
+                return path, fh.read(), age
+    except (OSError, ValueError):
+        pass
+    return path, None, 0.0
+
+
+def _keep_cache(path: str, text: str) -> None:
+    """Write a per-user cache file (0600); a cache that cannot be written is only a cost."""
+    from slurmgpu.pipeline.spool import write_private
+
+    try:
+        write_private(path, text.encode())
+    except OSError:
+        pass
+
+
 def cached_partitions(env: Mapping[str, str], ttl_s: float = 60.0,
                       scontrol: str = "scontrol") -> dict[str, PartitionRules]:
     """Slurm's partition rules for gsbatch, from a per-user cache of ``scontrol show partition`` a
     minute old at most: they change when an admin edits slurm.conf, not between submissions, and
     every scontrol call is one more RPC slurmctld serves. OSError/ValueError as read_partitions."""
-    import time
-
     from slurmgpu.slurm.partitions import parse_partitions, show_partitions
 
-    path = os.path.join(user_cache_dir(env), "partitions.txt")
-    try:
-        if not 0 <= time.time() - os.stat(path).st_mtime < ttl_s:
-            raise OSError("stale")
-        with open(path) as fh:
-            return parse_partitions(fh.read())
-    except (OSError, ValueError):
-        pass
+    path, text, _ = _fresh_cache(env, "partitions.txt", ttl_s)
+    if text is not None:
+        try:
+            return parse_partitions(text)
+        except ValueError:
+            pass
     text = show_partitions(scontrol)
     rules = parse_partitions(text)  # nonsense is refused before it is kept
-    try:
-        from slurmgpu.pipeline.spool import write_private
-
-        write_private(path, text.encode())
-    except OSError:
-        pass
+    _keep_cache(path, text)
     return rules
 
 
@@ -185,28 +202,20 @@ def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 1
     time left, then pending demand by priority), from a per-user cache a few seconds old at most
     (sinfo and squeue are not free); None when Slurm cannot be asked (rank by runtime alone)."""
     import json
-    import time
 
     from slurmgpu.pipeline.queue import GpuLedger
 
-    path = os.path.join(user_cache_dir(env), "gpu-queue.json")
+    path, text, age = _fresh_cache(env, "gpu-queue.json", ttl_s)
     ledger = GpuLedger({})
     try:
-        age = time.time() - os.stat(path).st_mtime
-        if not 0 <= age < ttl_s:
-            raise OSError("stale")
-        with open(path) as fh:
-            ledger.free = {str(t): [[float(x) for x in node] for node in nodes] for t, nodes in json.load(fh).items()}
-    except (OSError, ValueError, TypeError, AttributeError):
+        if text is None:
+            raise ValueError("no fresh cache")
+        ledger.free = {str(t): [[float(x) for x in node] for node in nodes] for t, nodes in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError):
         age = 0.0
         try:
             ledger = GpuLedger.from_queue(backend.nodes(), backend.queue())
         except Exception:  # noqa: BLE001 - no queue view: rank by runtime alone
             return None
-        try:
-            from slurmgpu.pipeline.spool import write_private
-
-            write_private(path, json.dumps(ledger.free).encode())
-        except OSError:
-            pass
+        _keep_cache(path, json.dumps(ledger.free))
     return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=age)
