@@ -293,20 +293,20 @@ class ModelDecider:
             enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
         choices = [c for c in enough if c is not None and c.gpu_type in home
                    and self._in_time(c, baseline, comp.time_limit_s)]
-        if new_family and not choices:
-            return self._keep(rule, too_new + "; request kept", per_type)
-        # What would make the request as asked fit (or how close it runs): part of the reason line.
-        hint = "" if new_family else self._fit_hint(request, sf, req, baseline, table, seen, offered) \
-            if not baseline.fits else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
-        if not choices:
+        best = min(choices, key=lambda c: self._score(c, baseline), default=None)
+        gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline) if best is not None else 0.0
+        hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
+        if new_family:
+            if best is None or gain < policy.min_gain:
+                return self._keep(rule, too_new + "; request kept", per_type)
+        else:
+            hint = self._fit_hint(request, sf, req, baseline, table, seen, offered) if not baseline.fits \
+                else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
+            if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
+                gain = 1.0
+        if best is None:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
                                     "request kept" + hint, per_type)
-        best = min(choices, key=lambda c: self._score(c, baseline))
-        gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline)
-        if not baseline.fits and not new_family:  # it would run out of GPU memory: any fitting choice wins
-            gain = 1.0
-        if new_family and gain < policy.min_gain:
-            return self._keep(rule, too_new + "; request kept", per_type)
         if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept"
                                     + hint, per_type)
