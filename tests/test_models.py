@@ -456,6 +456,32 @@ def test_a_size_beyond_every_sibling_is_never_estimated_below_the_largest() -> N
         assert math.isclose(_along(points, 34), points[34])
 
 
+def test_a_cost_per_activation_is_never_carried_below_either_end() -> None:
+    """With ``floor`` (a cost per activation, highest in the smallest models) the value past either
+    end of the sizes measured is never below that end's, whichever way the sizes slope."""
+    from slurmgpu.pipeline.bundle import _along
+
+    for points in ({2.5: 17.0, 11.0: 9.2, 32.0: 8.2}, {2.5: 8.0, 11.0: 9.0, 32.0: 10.0}):
+        low, high = points[min(points)], points[max(points)]
+        assert all(_along(points, x, floor=True) >= low * (1 - 1e-9) for x in (0.1, 1.0, 2.4))
+        assert all(_along(points, x, floor=True) >= high * (1 - 1e-9) for x in (33.0, 100.0))
+        assert math.isclose(_along(points, 11.0, floor=True), points[11.0])
+
+
+def test_published_sizes_are_found_by_the_name_a_script_passes() -> None:
+    """timm's counts are looked up by the model name as scripts write it (a hub path, a pretrained
+    tag, any case); a name the table does not know has none. Activations per token follow the
+    image side the script gives (a sample's activations grow with its pixels)."""
+    from slurmgpu.pipeline.model_sizes import acts_per_token, published_size
+
+    size = published_size("resnet152")
+    assert size is not None and size.params_m == pytest.approx(60.19)
+    assert published_size("timm/ResNet152.a1_in1k") == size
+    assert published_size("my-own-net") is None and published_size(None) is None
+    assert acts_per_token(size, 1.0) == size.acts_m  # no image side: a token is a sample
+    assert acts_per_token(size, 2 * size.img_size) == pytest.approx(2 * acts_per_token(size, size.img_size))
+
+
 def test_the_gate_puts_the_deployed_decision_first() -> None:
     """A candidate whose replayed decisions place one more job where it does not fit (or add a GPU
     OOM) is worse, however much better its memory and runtime figures are; equal decisions fall back

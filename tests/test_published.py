@@ -25,7 +25,7 @@ from slurmgpu.history.imports import import_history
 from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, memory_base_mib
 from slurmgpu.pipeline.config import load_config
-from slurmgpu.pipeline.features import arch_key, job_features, name_scale, script_features
+from slurmgpu.pipeline.features import arch_key, job_features, script_features
 from slurmgpu.pipeline.policy import ModelDecider
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
@@ -166,22 +166,53 @@ def test_peak_memory_at_a_batch_larger_than_any_in_history(tmp_path: Path, timm)
     print(f"unseen batch: {e}")
 
 
-def test_peak_memory_of_a_deeper_resnet_than_any_in_history(tmp_path: Path, timm) -> None:
-    """ResNet-152 (never run) from the other ResNet depths (18-200) and the rest of the sweep, at every
-    batch: the estimate carried along depth is within 10%; the figure shown, with the margin
-    measured by leaving each ResNet depth out (wide: basic and bottleneck blocks zigzag), is never
-    under and within 50%."""
-    held = "resnet152"
-    bundle = _trained(tmp_path, [r for m, rs in timm.items() if m != held for r in rs])
-    assert held not in bundle.history.families and arch_key(held) in bundle.history.archs
-    predicted = {r["batch_size"]: _peak(bundle, held, int(r["batch_size"]), r["image_or_seq"]) for r in timm[held]}
-    measured = {r["batch_size"]: float(r["peak_mib"]) for r in timm[held]}
-    e = errors(predicted, measured)
-    assert e["n"] == 5 and e["under"] == 0 and e["mdape"] < 0.50, (e, predicted, measured)
-    print(f"unseen depth: {e}")
-    estimates = {b: _estimate(bundle, held, int(b), "224") for b in measured}
-    assert errors(estimates, measured)["worst_under"] > -0.10 and max(
-        abs(estimates[b] - measured[b]) / measured[b] for b in measured) < 0.10, estimates
-    # The estimate grows with the batch as the measurements do.
-    assert sorted(predicted.values()) == [predicted[b] for b in ("8", "16", "32", "64", "128")]
-    assert name_scale(held, 0.06) == 152
+def test_peak_memory_of_resnet_depths_never_run(tmp_path: Path, timm) -> None:
+    """ResNet-152 never run, the other ResNet depths (18-200) and the rest of the sweep in history:
+    the estimate from the siblings' published parameter and activation counts is within 8% at every
+    batch (3% measured), and the figure shown, with the margin measured by leaving each ResNet depth
+    out, is never under and within 10% (the issue's target). Then ResNet-152 and -200 both never
+    run, deeper than any in history: the estimate is still within 8%, the figure never under and
+    within 15%."""
+    for held in ({"resnet152"}, {"resnet152", "resnet200"}):
+        bundle = _trained(tmp_path / "-".join(sorted(held)), [r for m, rs in timm.items() if m not in held
+                                                               for r in rs])
+        for model in held:
+            assert model not in bundle.history.families and arch_key(model) in bundle.history.archs
+            predicted = {r["batch_size"]: _peak(bundle, model, int(r["batch_size"]), r["image_or_seq"])
+                         for r in timm[model]}
+            measured = {r["batch_size"]: float(r["peak_mib"]) for r in timm[model]}
+            e = errors(predicted, measured)
+            assert e["n"] == 5 and e["under"] == 0 and e["mdape"] < (0.10 if len(held) == 1 else 0.15), (e, predicted)
+            print(f"{model} never run, {len(held)} held out: {e}")
+            estimates = {b: _estimate(bundle, model, int(b), "224") for b in measured}
+            assert max(abs(estimates[b] - measured[b]) / measured[b] for b in measured) < 0.08, estimates
+            # The figure grows with the batch as the measurements do.
+            assert sorted(predicted.values()) == [predicted[b] for b in ("8", "16", "32", "64", "128")]
+
+
+def test_model_sizes_never_run_across_the_timm_sweep(tmp_path: Path, timm, monkeypatch) -> None:
+    """One size of every timm architecture with three or more sizes left out of history (chosen at
+    random): placed among its siblings by published parameter and activation counts, its estimate
+    errs less than when placed by the scale its name gives, and the figure shown is under-predicted
+    less than 1 time in 20 (the margin for sizes never run is a 95% one)."""
+    archs: dict[str | None, list[str]] = defaultdict(list)
+    for model in timm:
+        archs[arch_key(model)].append(model)
+    rnd = random.Random(0)
+    held = {rnd.choice(sorted(ms)) for ms in archs.values() if len(ms) >= 3}
+    bundle = _trained(tmp_path, [r for m, rs in timm.items() if m not in held for r in rs])
+    shown, by_counts, by_name, measured = {}, {}, {}, {}
+    for model in held:
+        for r in timm[model]:
+            key = (model, r["batch_size"])
+            measured[key] = float(r["peak_mib"])
+            shown[key] = _peak(bundle, model, int(r["batch_size"]), r["image_or_seq"])
+            by_counts[key] = _estimate(bundle, model, int(r["batch_size"]), r["image_or_seq"])
+    monkeypatch.setattr("slurmgpu.pipeline.features.published_size", lambda model: None)
+    for model, batch in measured:
+        image = next(r["image_or_seq"] for r in timm[model] if r["batch_size"] == batch)
+        by_name[(model, batch)] = _estimate(bundle, model, int(batch), image)
+    e, counts, name = errors(shown, measured), errors(by_counts, measured), errors(by_name, measured)
+    print(f"sizes never run: shown {e}; estimate by published counts {counts}, by name {name}")
+    assert e["n"] > 250 and e["under"] < 0.05 and e["mdape"] < 0.15, e
+    assert counts["mdape"] < 0.6 * name["mdape"], (counts, name)

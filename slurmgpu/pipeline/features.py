@@ -14,6 +14,8 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from slurmgpu.pipeline.model_sizes import acts_per_token, published_size
+
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "python3", "python", "srun")
 # Parameter counts (billions) of model names users commonly pass; a family never seen before
 # still gets a size estimate from its name.
@@ -312,15 +314,47 @@ def linear_fits(siblings: Iterable[Mapping[str, Any]]) -> dict[float, tuple[floa
             if fam.get("b", 0.0) > 0 and fam.get("a", 0.0) > 0 and fam.get("scale", 0.0) > 0}
 
 
-def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]]) -> float:
+def published_counts(script_feats: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The job's model's published parameters and activations per token (millions; ``model_sizes``),
+    None when the table does not know it."""
+    size = published_size(script_feats.get("model"))
+    return None if size is None else (size.params_m, acts_per_token(size, float(script_feats["seq_len"])))
+
+
+def sized_fits(siblings: Iterable[Mapping[str, Any]]) -> list[tuple[float, float, float, float]]:
+    """(parameters, activations per token, a, b) of the SIBLINGS with a fitted line a + b*tokens
+    whose model has a published size (``published_counts``)."""
+    return [(fam["params_m"], fam["acts_m"], fam["a"], fam["b"]) for fam in siblings
+            if fam.get("b", 0.0) > 0 and fam.get("a", 0.0) > 0 and fam.get("acts_m", 0.0) > 0
+            and fam.get("params_m", 0.0) > 0]
+
+
+def placed_by_size(siblings: list[Mapping[str, Any]], script_feats: Mapping[str, Any]) -> float | None:
+    """Whether the job's model and two or more siblings of different sizes (both parameters and
+    activations) have published sizes, so that the estimate follows those counts
+    (bundle.arch_base_mib): 4 when the job's activation count lies among theirs, 5 above the
+    largest, 6 below the smallest (each its own margin: carried past the ends, a smaller model's
+    cost per activation errs more than a larger one's); None otherwise."""
+    fits = sized_fits(siblings)
+    if len({p for p, _, _, _ in fits}) < 2 or len({x for _, x, _, _ in fits}) < 2:
+        return None
+    own = published_counts(script_feats)  # the table is read only for a job whose siblings have sizes
+    if own is None:
+        return None
+    acts = [x for _, x, _, _ in fits]
+    return 5.0 if own[1] > max(acts) else 6.0 if own[1] < min(acts) else 4.0
+
+
+def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_feats: Mapping[str, Any]) -> float:
     """What the memory estimate rests on (bundle.memory_base_mib), each with its own calibrated
     margin: the family's own measured peaks (3), lines fitted to two or more other sizes of its
-    model (2), other sizes' peaks otherwise (1), the analytic prior alone (0)."""
+    model placed by their published parameter and activation counts (4 among them, 5 above, 6
+    below), or
+    by their names' scale (2), other sizes' peaks otherwise (1), the analytic prior alone (0)."""
     if measured(fam):
         return 3.0
-    if len(linear_fits(siblings)) >= 2:
-        return 2.0
-    return 1.0 if any(measured(s) for s in siblings) else 0.0
+    return placed_by_size(siblings, script_feats) or (2.0 if len(linear_fits(siblings)) >= 2 else
+                                                      1.0 if any(measured(s) for s in siblings) else 0.0)
 
 
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],
@@ -343,7 +377,7 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
-        "base_kind": base_kind(fam, history.siblings(script_feats)),
+        "base_kind": base_kind(fam, history.siblings(script_feats), script_feats),
     }
 
 
