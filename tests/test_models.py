@@ -623,3 +623,36 @@ def test_a_familys_speed_slope_holds_its_batches_apart_and_leans_on_the_sites(tr
     assert abs(leaning - 0.9) < abs(ModelDecider(config, arch, lambda: {})._site_exponent() - 0.9) - 0.1, leaning
     assert ModelDecider(config, Bundle({**trained[0].data, "history": {"families": {}, "archs": {}}}),
                         lambda: {})._site_exponent() == 1.0
+
+
+def test_a_count_is_trimmed_only_on_the_familys_own_busy_gpus(config) -> None:
+    """A plain ``python train.py`` (no launcher count: its launch shows nothing of the GPUs it uses)
+    asking for 4 A100s, with one free: where the family's completed runs on 4 GPUs kept 1 busy (the
+    collector's per-GPU figures), it is given 1 and the reason says why; with all 4 free too and the
+    fastest objective (no sooner finish, no cost in the score), the idle GPUs are still given back;
+    where they kept all 4 busy, or too few runs were seen, its count stands."""
+    text = script_for("resnet", 16, 1000, "a100").replace("gpu:a100:1", "gpu:a100:4")
+
+    def decided(busy: int, runs: int, free: int = 1, objective: str = "balanced"):
+        rows, seen = [], 0
+        for r in history(600):
+            if r["script"]["family"] == script_features(text)["family"]:
+                if r["state"] != "COMPLETED" or r["gpu_type"] != "a100":
+                    continue
+                seen += 1
+                r = {**r, "gpus": 4, "request": {"gpus_total": 4, "gpu_type": "a100"},
+                     "gpus_used": busy if seen <= runs else None}
+            rows.append(r)
+        bundle, _ = train.fit(rows, config, iterations=100)
+        return decide(bundle, config._replace(policy=config.policy._replace(objective=objective)), text,
+                      free={"a100": free, "v100": 0, "t4": 0})
+
+    trimmed = decided(busy=1, runs=10)
+    assert trimmed.changes and trimmed.changes[0].gpus_total == 1, trimmed.reasons
+    assert "runs on 4 GPUs kept at most 1 busy" in trimmed.reasons[-1]
+    assert next(c for c in trimmed.per_type if (c.gpu_type, c.gpus) == ("a100", 1)).pred_runtime_s == \
+        next(c for c in trimmed.per_type if (c.gpu_type, c.gpus) == ("a100", 4)).pred_runtime_s
+    idle = decided(busy=1, runs=10, free=4, objective="fastest")
+    assert idle.changes and idle.changes[0].gpus_total == 1 and "1 x a100 of the 4 asked" in idle.reasons[-1]
+    for kept in (decided(busy=4, runs=10), decided(busy=1, runs=config.policy.min_history - 1)):
+        assert all(ch.gpus_total in (None, 4) for ch in kept.changes), kept.reasons

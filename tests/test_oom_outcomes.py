@@ -116,8 +116,8 @@ def test_ingest_stores_the_outcome_and_gpu_oom_marks_it_whatever_the_state(db_ur
     spool_dir.mkdir()
     err = tmp_path / "job.err"
     err.write_text(torch_oom_text())
-    for job_id in ("1", "2", "3", "4"):
-        run_collector(spool_dir, job_id, *(["--stderr", str(err)] if job_id != "4" else ["--no-oom-scan"]))
+    recs = {job_id: run_collector(spool_dir, job_id, *(["--stderr", str(err)] if job_id != "4" else ["--no-oom-scan"]))
+            for job_id in ("1", "2", "3", "4")}
     ingest.load_jobs(engine, [sacct_job("1", "FAILED", "script:python train.py --model resnet50 --batch-size 64"),
                               sacct_job("2", "TIMEOUT", "script:python train.py --model resnet50 --batch-size 64"),
                               sacct_job("3", "COMPLETED", "script:python train.py --model resnet50 --batch-size 64"),
@@ -134,6 +134,9 @@ def test_ingest_stores_the_outcome_and_gpu_oom_marks_it_whatever_the_state(db_ur
     # the trace's peak (61952 MiB) is far above a T4's 16 GiB... so make the peak say nothing: only the message
     marked = {j: train.gpu_oom({**r, "peak": None}, config) for j, r in rows.items()}
     assert marked == {"1": True, "2": True, "3": False, "4": False}
+    # The GPUs each job kept busy, as the collector saw them per GPU (the decider trims on these).
+    busy = {j: sum(g.max_util >= 5.0 or g.peak_mem_mib >= 256 for g in rec.gpus) for j, rec in recs.items()}
+    assert {j: r["gpus_used"] for j, r in rows.items()} == busy and 0 < busy["3"] <= len(recs["3"].gpus)
 
 
 # ---- decision tags ----------------------------------------------------------------------------

@@ -13,6 +13,19 @@ from sqlalchemy.orm import Session
 
 from slurmgpu.history.db import GpuUsage, Job, JobScript, ModelVersion, Submission
 
+IDLE_UTIL_PCT = 5.0  # a GPU that never got busier than this did no real work for the job
+IDLE_PEAK_MIB = 256.0  # less than a CUDA context takes: the job never opened the GPU
+
+
+def gpus_busy(details: Sequence[Any], or_opened: bool = False) -> int | None:
+    """GPUs that reached IDLE_UTIL_PCT (or, with OR_OPENED, held IDLE_PEAK_MIB: a GPU holding a
+    model's shard at low utilisation is still in use), summed over a job's collector rows (their
+    per-GPU ``detail``, one row per host); None where a row has no per-GPU figures."""
+    if not details or not all(isinstance(d, list) and d for d in details):
+        return None
+    return sum(1 for d in details for g in d if isinstance(g, dict) and (
+        (g.get("max_util") or 0.0) >= IDLE_UTIL_PCT or (or_opened and (g.get("peak_mem_mib") or 0.0) >= IDLE_PEAK_MIB)))
+
 
 def _iso(t: datetime | None) -> str | None:
     return t.isoformat() + "Z" if t else None

@@ -27,9 +27,11 @@ from slurmgpu.pipeline.bundle import (
 )
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.features import (
+    BUSY,
     HELD,
     NUMERIC,
     RATE,
+    RUNS,
     SCRIPT_NUMERIC,
     HistoryStats,
     job_features,
@@ -50,7 +52,7 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
     gsbatch records an array job under the id sbatch printed, so array tasks fall back to it.
     """
     from slurmgpu.history.db import JobScript
-    from slurmgpu.history.queries import peak_of
+    from slurmgpu.history.queries import gpus_busy, peak_of
 
     stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.user, Job.submit_time, Job.state,
                    Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Job.end_time,
@@ -63,6 +65,9 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
         peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
             select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
             .group_by(GpuUsage.cluster, GpuUsage.job_id))}
+        details: dict[tuple[str, str], list[Any]] = {}  # per-GPU figures, one list per host
+        for c, j, detail in conn.execute(select(GpuUsage.cluster, GpuUsage.job_id, GpuUsage.detail)):
+            details.setdefault((c, j), []).append(detail)
         ooms = {(c, j): f for c, j, f in conn.execute(  # the collector found a GPU OOM in the job's stderr
             select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.gpu_oom))
             .where(GpuUsage.gpu_oom.is_not(None)).group_by(GpuUsage.cluster, GpuUsage.job_id))}
@@ -84,11 +89,13 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
             peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
             raw = r["job_id_raw"]
             oom = ooms.get((r["cluster"], r["job_id"])) or (ooms.get((r["cluster"], str(raw))) if raw else None)
+            hosts = details.get((r["cluster"], r["job_id"])) or (details.get((r["cluster"], str(raw))) if raw else None)
             out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
                         "end": r["end_time"], "gpu_type": r["gpu_type"], "gpus": r["gpu_count"],
                         "elapsed": r["elapsed_s"],
                         "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {},
-                        "gpu_oom": oom, "cluster": r["cluster"], "start": r["start_time"],
+                        "gpu_oom": oom, "gpus_used": gpus_busy(hosts or [], or_opened=True), "cluster": r["cluster"],
+                        "start": r["start_time"],
                         "partition": r["partition"], "time_limit": r["time_limit_s"], "text": text})
     return out
 
@@ -149,7 +156,7 @@ class _Running:
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
                 "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
-                **{k: v for k, v in s.items() if k.startswith(HELD)},
+                **{k: v for k, v in s.items() if k.startswith((HELD, BUSY, RUNS))},
                 **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")}}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
@@ -183,6 +190,10 @@ class _Running:
             for shape in rate_keys(row["gpus"], row["gpu_type"], row["script"]["log_tokens"]):
                 s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
                 s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
+        if row["state"] == "COMPLETED" and row.get("gpus_used") is not None:
+            busy, runs = f"{BUSY}{row['gpus']}", f"{RUNS}{row['gpus']}"
+            s[busy] = max(s.get(busy, 0.0), float(row["gpus_used"]))
+            s[runs] = s.get(runs, 0.0) + 1
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1
         elif row["peak"] and row["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS:

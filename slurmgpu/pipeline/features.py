@@ -247,6 +247,10 @@ HELD = "held:"
 # seconds / (steps x tokens)), its measured speed there; the decider compares shapes the family ran
 # on by these, not by the datasheet.
 RATE = "rate:"
+# Family statistics "busy:<GPUs>" and "runs:<GPUs>": the most GPUs the collector saw busy in a
+# completed run given that many, and how many such runs it saw (a run given 4 GPUs that only ever
+# kept 1 busy runs as well on 1: the decider may trim a count on that evidence).
+BUSY, RUNS = "busy:", "runs:"
 
 
 def log_rate(elapsed_s: float, script_feats: Mapping[str, Any]) -> float:
@@ -301,6 +305,13 @@ class HistoryStats:
                 if int(count) <= gpus and float(most) >= log_tokens - 1e-9:
                     sizes.append(float(gib))
         return min(sizes, default=None)
+
+
+def busy_bound(fam: Mapping[str, Any], gpus: int) -> tuple[int, int] | None:
+    """(the most GPUs busy, runs seen) over the family's completed runs given GPUS GPUs with per-GPU
+    collector figures; None without any."""
+    runs = int(fam.get(f"{RUNS}{gpus}", 0))
+    return (int(fam[f"{BUSY}{gpus}"]), runs) if runs else None
 
 
 def measured(fam: Mapping[str, Any]) -> bool:

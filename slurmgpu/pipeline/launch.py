@@ -5,7 +5,8 @@ GPU per task needs eight GPUs. A launcher count written as a number is the fewes
 be given (more are consistent, if wasted: ``--nproc_per_node=2`` under ``--gres=gpu:8`` uses two).
 A script that takes its process count from what Slurm gives it (``$SLURM_GPUS_ON_NODE``,
 ``CUDA_VISIBLE_DEVICES``, ``torch.cuda.device_count()``, ``--nproc_per_node=gpu``) can run on any
-count. Anything else keeps its count; only the GPU type may change.
+count. Anything else keeps its count; only the GPU type may change (unless the family's own runs
+showed GPUs it left idle: the decider's evidence, not the script's, ``ModelDecider._busy``).
 """
 
 from __future__ import annotations

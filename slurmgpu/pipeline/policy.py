@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE, log_size, rate_keys
+from slurmgpu.pipeline.features import RATE, busy_bound, log_size, rate_keys
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
@@ -246,7 +246,9 @@ class ModelDecider:
         req_type, req_total = comp.gpu_type, comp.gpus_total
         # Fewer GPUs only as far as the launch follows (pipeline/launch.py); else only the type changes.
         need = request_launch_need(request).min_gpus
-        fewest = need or req_total
+        # Or as far as the family's own runs on the asked count kept GPUs busy: the rest sat idle.
+        busy = self._busy(sf, req_total) if need is None else None
+        fewest = (busy[0] if busy else need) or req_total
         free = self.free_gpus() if self.wait is None else {}
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
         shapes: list[tuple[GpuType, int]] = []
@@ -260,7 +262,7 @@ class ModelDecider:
                 shapes.extend((self.config.gpu_types[gtype], c) for c in counts
                               if c % comp.multiplier(comp.gpus[0].per) == 0)
         seen = self._seen(sf["family"], req_type, req_total)
-        table = self.candidates(sf, req, shapes, min(need or req_total, req_total), free)
+        table = self.candidates(sf, req, shapes, min(fewest, req_total), free, busy[0] if busy else None)
         per_type = tuple(table)
         new_family = fam_n < policy.min_history
         too_new = f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history})"
@@ -304,20 +306,30 @@ class ModelDecider:
                 else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
             if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
                 gain = 1.0
+        freed = None  # GPUs the family's runs left idle, given back where the job finishes no later
+        if busy and baseline.fits and (best is None or gain < policy.min_gain):
+            done = baseline.expected_wait_s + baseline.pred_runtime_s
+            freed = min((c for c in table if c.gpu_type == baseline.gpu_type and busy[0] <= c.gpus < req_total
+                         and c.fits and c.expected_wait_s + c.pred_runtime_s <= done), key=lambda c: c.gpus,
+                        default=None)
+            best = freed or best
         if best is None:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
                                     "request kept" + hint, per_type)
-        if (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus) or gain < policy.min_gain:
+        if freed is None and ((best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus)
+                              or gain < policy.min_gain):
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept"
                                     + hint, per_type)
         partition = home[best.gpu_type]
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
-        finish = (f"predicted to finish in {(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
-                  f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked "
-                  f"({gain:.0%} better)")
-        if new_family:
+        times = (f"predicted to finish in {(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
+                 f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked")
+        finish = f"{times} ({gain:.0%} better)"
+        if freed:
+            why = f"model: {best.gpus} x {best.gpu_type} of the {req_total} asked, {times}"
+        elif new_family:
             asked_gt, best_gt = self.config.gpu_types[baseline.gpu_type], self.config.gpu_types[best.gpu_type]
             why = (f"{too_new}: only a card at least as large and fast as asked; {best.gpus} x {best.gpu_type} "
                    f"({best_gt.memory_gib:g} GiB, speed {best_gt.relative_speed:g} vs {asked_gt.memory_gib:g} GiB, "
@@ -330,6 +342,8 @@ class ModelDecider:
             why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} {finish}, peak "
                    f"{best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
                    f"{_borderline(best, self.config.gpu_types[best.gpu_type])}")
+        if busy and best.gpus < req_total:
+            why += f"; this family's {busy[1]} runs on {req_total} GPUs kept at most {busy[0]} busy"
         return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
 
     @staticmethod
@@ -338,9 +352,12 @@ class ModelDecider:
         return tuple(r for r in rule.reasons if r != FITS_AS_ASKED)
 
     def candidates(self, sf: Mapping[str, Any], req: Mapping[str, Any], shapes: list[tuple[GpuType, int]],
-                   used: int, free: Mapping[str, int]) -> list[Candidate]:
+                   used: int, free: Mapping[str, int], busy: int | None = None) -> list[Candidate]:
         """The table: predicted peak, runtime and wait of the job (script features ``sf``, normalised
-        request ``req``) on each shape, and whether it fits. ``used``: the fewest GPUs the launch uses."""
+        request ``req``) on each shape, and whether it fits. ``used``: the fewest GPUs the launch uses;
+        ``busy``: the most GPUs the family's runs on the asked count kept busy, if the decider trims
+        on that evidence (from ``busy`` GPUs up, a type's row is its row at the asked count: the
+        job uses the same GPUs the same way, only its wait differs)."""
         from slurmgpu.pipeline.features import job_features
 
         req_type, req_total = req.get("gpu_type"), int(req.get("gpus_total") or 0)
@@ -385,6 +402,10 @@ class ModelDecider:
             table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
                                    pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free), margin,
                                    runtime_margin))
+        if busy is not None:
+            full = {c.gpu_type: c for c in table if c.gpus == req_total}
+            table = [full[c.gpu_type]._replace(gpus=c.gpus, expected_wait_s=c.expected_wait_s)
+                     if busy <= c.gpus < req_total and c.gpu_type in full else c for c in table]
         return table
 
     @staticmethod
@@ -432,6 +453,16 @@ class ModelDecider:
             spread, measured = speed_fit(groups)
             known[speeds] = measured if spread > 0 else 1.0
         return known[speeds]
+
+    def _busy(self, sf: Mapping[str, Any], req_total: int) -> tuple[int, int] | None:
+        """(the most GPUs busy, runs) where at least ``min_history`` of the family's completed runs on
+        the asked count kept fewer GPUs busy than asked, and at least one (the collector's per-GPU
+        figures): a script whose launch shows no count of its own may then be given that many."""
+        bound = busy_bound(self.bundle.history.family(sf["family"]), req_total)
+        # None busy says nothing of how many it drives (its work may sit below the threshold on all).
+        if bound is None or bound[1] < self.config.policy.min_history or not 0 < bound[0] < req_total:
+            return None
+        return bound
 
     def _seen(self, family: str, req_type: str | None, req_total: int) -> set[str]:
         """The shapes ("<GPUs>x<type>") the family ran on, and the one asked for."""

@@ -12,9 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from slurmgpu.history.db import GpuUsage, Job, Submission
+from slurmgpu.history.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, gpus_busy
 
-IDLE_UTIL_PCT = 5.0  # a job whose GPUs never got busier than this did no real GPU work
-IDLE_PEAK_MIB = 256.0  # less than a CUDA context takes: the job never opened its GPUs
 UNTYPED = "untyped"
 
 
@@ -137,8 +136,7 @@ def job_use(job: Any, hosts: list[Any], sub: Any) -> JobUse:
         peak: float | None = max(h.peak_mem_mib for h in hosts)
         utils = [h.max_util for h in hosts if h.max_util is not None]
         util = max(utils) if utils else None
-        busy = (sum(1 for h in hosts for g in h.detail if (g.get("max_util") or 0.0) >= IDLE_UTIL_PCT)
-                if all(isinstance(h.detail, list) and h.detail for h in hosts) else None)
+        busy = gpus_busy([h.detail for h in hosts])
         means = [(h.mean_util, max(h.gpus, 1)) for h in hosts if h.mean_util is not None]
         mean = sum(m * n for m, n in means) / sum(n for _, n in means) if means else None
     else:

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from slurmgpu.history.queries import IDLE_UTIL_PCT, gpus_busy
 from slurmgpu.pipeline.bundle import analytic_base_mib
 from slurmgpu.pipeline.config import Config, GpuType, Partition, Policy
 from slurmgpu.pipeline.features import script_features
@@ -55,7 +56,6 @@ from slurmgpu.pipeline.policy import Admits, Decider, ModelDecider, RuleDecider
 from slurmgpu.pipeline.queue import GpuLedger
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
-from slurmgpu.reporting.queries import IDLE_UTIL_PCT
 from slurmgpu.simulation.simulator import (
     Efficiency,
     Queued,
@@ -78,8 +78,9 @@ from slurmgpu.simulation.workload import (
     run_model,
 )
 from slurmgpu.simulation.workload.catalog import relative_cost, relative_speed
+from slurmgpu.simulation.workload.emit import spool_record
 from slurmgpu.simulation.workload.perf import peak_mem_mib, runtime_s, used_gpus
-from slurmgpu.simulation.workload.schedule import Outcome
+from slurmgpu.simulation.workload.schedule import Outcome, Run
 from slurmgpu.simulation.workload.schedule import simulate as history_runs
 from slurmgpu.slurm.backend import QueuedJob
 
@@ -223,10 +224,15 @@ def static_rule(jobs: Iterable[JobSpec], cluster: ClusterSpec,
 def training_rows(jobs: Sequence[JobSpec], cluster: ClusterSpec, features: Mapping[str, Mapping[str, Any]],
                   requests: Mapping[str, JobRequest]) -> list[dict[str, Any]]:
     """Rows as ``train.history_rows`` returns them, from the jobs' runs on the GPUs they asked for:
-    state and elapsed as sacct would show them, the per-GPU peak as the collector would."""
+    state and elapsed as sacct would show them, the per-GPU peak and the GPUs kept busy as the
+    collector would."""
+    def busy(r: Run) -> int | None:
+        return gpus_busy([[g._asdict() for g in spool_record(r, cluster).gpus]], or_opened=True)
+
     return [{"job_id": r.job.job_id, "user": r.job.user, "submit": r.job.submit_time, "state": r.state, "end": r.end,
              "gpu_type": cluster.gres_name(r.gpu_type), "gpus": r.gpus, "elapsed": r.elapsed_s,
-             "peak": r.peak_mem_mib, "script": features[r.job.script], "request": requests[r.job.script].to_json()}
+             "peak": r.peak_mem_mib, "gpus_used": busy(r), "script": features[r.job.script],
+             "request": requests[r.job.script].to_json()}
             for r in history_runs(jobs, cluster) if r.state in USED_STATES]
 
 

@@ -10,7 +10,7 @@ from xml.sax.saxutils import escape
 
 import numpy as np
 
-from slurmgpu.reporting.queries import IDLE_UTIL_PCT
+from slurmgpu.history.queries import IDLE_UTIL_PCT
 from slurmgpu.reporting.render import PALETTE, axis_scale
 from slurmgpu.simulation.scenario import POLICIES, Evaluation, PolicyResult, sim_cluster
 
