@@ -368,7 +368,8 @@ def test_history_features_see_only_jobs_that_ended_before_submission(config) -> 
 
 def test_the_table_shows_each_peak_as_predicted_and_the_margin_its_fit_test_used(trained, config) -> None:
     """A shape the family never ran is doubted in its fit test, not in the peak shown: every row of
-    ``--explain``'s table is the candidate's own numbers, and fits == peak x (1 + margin) <= card."""
+    ``--explain``'s table is the candidate's own numbers, and fits == peak x (1 + margin) <= card, or
+    a card the family's outcomes show it holds on at this batch."""
     from slurmgpu.apps.gsbatch import explain_text
 
     bundle = trained[0]
@@ -380,7 +381,10 @@ def test_the_table_shows_each_peak_as_predicted_and_the_margin_its_fit_test_used
     rows = explain_text(request, d).splitlines()
     for c in d.per_type:
         card = config.gpu_types[c.gpu_type].memory_gib * 1024
-        assert c.fits == (c.pred_peak_mem_mib * (1 + c.margin) <= card)
+        held = bundle.history.held_bound_gib(script_features(text)["family"], script_features(text)["log_tokens"],
+                                             c.gpus)
+        assert c.fits == (c.pred_peak_mem_mib * (1 + c.margin) <= card
+                          or (held is not None and held <= config.gpu_types[c.gpu_type].memory_gib))
         seen = f"{c.gpus}x{c.gpu_type}" in shapes or (c.gpu_type, c.gpus) == ("v100", 2)
         assert math.isclose(c.margin, config.policy.memory_margin if seen else
                             (1 + config.policy.memory_margin) * ModelDecider.unseen_penalty - 1)
@@ -656,3 +660,27 @@ def test_a_count_is_trimmed_only_on_the_familys_own_busy_gpus(config) -> None:
     assert idle.changes and idle.changes[0].gpus_total == 1 and "1 x a100 of the 4 asked" in idle.reasons[-1]
     for kept in (decided(busy=4, runs=10), decided(busy=1, runs=config.policy.min_history - 1)):
         assert all(ch.gpus_total in (None, 4) for ch in kept.changes), kept.reasons
+
+
+def test_a_card_the_family_completes_on_fits_whatever_the_prediction(trained, config) -> None:
+    """The family's outcomes beat a prediction pushed past the card by its margin: with the memory
+    margins made to predict 64x every peak, the card the family completed on at this batch still fits,
+    whatever the prediction, each card's fit is exactly "predicted to fit, or at least as large as a
+    card the family held on", and a move made on that evidence says so."""
+    bundle = Bundle(json.loads(json.dumps(trained[0].data)))
+    bundle.memory.bias += math.log(64.0)
+    bundle.memory_offsets = {k: v + math.log(64.0) for k, v in bundle.memory_offsets.items()}
+    bundle.memory_default_offset += math.log(64.0)
+    text = script_for("bert", 16, 1000, "v100")
+    sf = script_features(text)
+    held = bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], 1)
+    assert held is not None
+    d = decide(bundle, config, text)
+    for c in d.per_type:
+        if c.gpus == 1:
+            predicted = c.pred_peak_mem_mib * (1 + c.margin) <= config.gpu_types[c.gpu_type].memory_gib * 1024
+            assert c.fits == (predicted or config.gpu_types[c.gpu_type].memory_gib >= held), c
+    assert any(c.fits and c.pred_peak_mem_mib * (1 + c.margin) > config.gpu_types[c.gpu_type].memory_gib * 1024
+               for c in d.per_type)
+    moved = decide(bundle, config, text, free={"a100": 4, "v100": 0, "t4": 0})  # the V100s are busy
+    assert moved.changes and f"its family's runs held on {held:g} GiB cards at this batch" in moved.reasons[-1]

@@ -336,12 +336,11 @@ class ModelDecider:
                    f"{asked_gt.relative_speed:g}) {finish}")
         elif not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
-                   f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type} fits "
-                   f"({best.pred_peak_mem_mib / 1024:.1f} GiB, {best.margin:.0%} margin){hint}")
+                   f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type}: "
+                   f"{self._fit_words(best, sf, req_total)} ({best.margin:.0%} margin){hint}")
         else:
-            why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} {finish}, peak "
-                   f"{best.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
-                   f"{_borderline(best, self.config.gpu_types[best.gpu_type])}")
+            why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} {finish}, "
+                   f"{self._fit_words(best, sf, req_total)}{_borderline(best, self.config.gpu_types[best.gpu_type])}")
         if busy and best.gpus < req_total:
             why += f"; this family's {busy[1]} runs on {req_total} GPUs kept at most {busy[0]} busy"
         return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
@@ -475,14 +474,28 @@ class ModelDecider:
 
     def _fits(self, peak_mib: float, margin: float, gt: GpuType, sf: Mapping[str, Any], gpus: int,
               asked_shape: bool) -> bool:
-        """The table's fit test for one shape: the predicted peak with its margin within the card.
-        Where the bundle has no measured peaks, only a card the family's outcomes show it holds on
-        (or the request itself, where the estimate allows) counts as fitting."""
+        """The table's fit test for one shape: the predicted peak with its margin within the card, or
+        a card the family's outcomes show it holds on (a run with at least these tokens per GPU
+        ended well on a card that size, on as many GPUs or fewer: evidence beats a prediction,
+        which a wide margin can push past a card the family completes on). Where the bundle has no
+        measured peaks, only the outcomes count (and the request itself, where the estimate allows)."""
         fits = peak_mib * (1 + margin) <= gt.memory_gib * 1024
+        held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
+        by_outcome = held is not None and held <= gt.memory_gib
         if getattr(self.bundle, "memory_source", "telemetry") == "outcomes":
-            held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
-            fits = (held is not None and held <= gt.memory_gib) or (asked_shape and fits)
-        return fits
+            return by_outcome or (asked_shape and fits)
+        return fits or by_outcome
+
+    def _fit_words(self, c: Candidate, sf: Mapping[str, Any], asked_gpus: int) -> str:
+        """Why a fitting choice fits, in the reason: its predicted peak, or the family's outcomes
+        where they, not the prediction, make it fit (on the asked count, for a count trimmed to
+        the GPUs the family keeps busy: it runs as it ran there)."""
+        if c.pred_peak_mem_mib * (1 + c.margin) <= self.config.gpu_types[c.gpu_type].memory_gib * 1024:
+            return f"peak {c.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
+        held = next(h for h in (self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], n)
+                                for n in (c.gpus, asked_gpus)) if h is not None)
+        return (f"fits: its family's runs held on {held:g} GiB cards at this batch or larger "
+                f"(predicted peak {c.pred_peak_mem_mib / 1024:.1f} GiB per GPU)")
 
     def _fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Candidate,
                   table: list[Candidate], seen: set[str], offered: list[Any]) -> str:
