@@ -3,9 +3,9 @@ for them (source, decider, model version, script)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.engine import Engine
@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from slurmgpu.history.db import GpuUsage, Job, JobScript, ModelVersion, Submission
 
+T = TypeVar("T")
 IDLE_UTIL_PCT = 5.0  # a GPU that never got busier than this did no real work for the job
 IDLE_PEAK_MIB = 256.0  # less than a CUDA context takes: the job never opened the GPU
 
@@ -49,9 +50,10 @@ def gpu_peaks(conn: Any, cluster_ids: dict[str, set[str]]) -> dict[tuple[str, st
     return out
 
 
-def peak_of(peaks: dict[tuple[str, str], tuple[float, float | None]], cluster: str, job_id: str,
-            raw: int | None) -> tuple[float, float | None] | None:
-    return peaks.get((cluster, job_id)) or (peaks.get((cluster, str(raw))) if raw is not None else None)
+def of_job(by_job: Mapping[tuple[str, str], T], cluster: str, job_id: str, raw: int | None) -> T | None:
+    """A job's collector entry in BY_JOB, under its id or else its raw id (an array task's, as a
+    prolog-started collector may know it)."""
+    return by_job.get((cluster, job_id)) or (by_job.get((cluster, str(raw))) if raw is not None else None)
 
 
 def _job_filter(stmt: Any, user: str | None, since: datetime | None, job_ids: Sequence[str]) -> Any:
@@ -76,7 +78,7 @@ def job_rows(engine: Engine, user: str | None = None, since: datetime | None = N
         for j in jobs:
             wanted.setdefault(j.cluster, set()).update({j.job_id, str(j.job_id_raw)})
         peaks = gpu_peaks(session.connection(), wanted)
-        return [_row(j, *(peak_of(peaks, j.cluster, j.job_id, j.job_id_raw) or (None, None))) for j in jobs]
+        return [_row(j, *(of_job(peaks, j.cluster, j.job_id, j.job_id_raw) or (None, None))) for j in jobs]
 
 
 def job_count(engine: Engine, user: str | None = None, since: datetime | None = None,
@@ -214,7 +216,7 @@ def decision_rows(engine: Engine, model_version: str | None = None, source: str 
         found = sorted(jobs.get((s.cluster, s.job_id), []), key=lambda j: j.job_id)
         job = found[0] if found else None
         decision = s.decision if isinstance(s.decision, dict) else {}
-        peak = peak_of(peaks, job.cluster, job.job_id, job.job_id_raw) if job else None
+        peak = of_job(peaks, job.cluster, job.job_id, job.job_id_raw) if job else None
         out.append({
             "record_id": s.record_id, "submitted_at": _iso(s.submitted_at), "cluster": s.cluster, "job_id": s.job_id,
             "user": s.user, "source": s.source, "decider": s.decider, "model_version": s.model_version,

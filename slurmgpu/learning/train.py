@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from slurmgpu.history.db import GpuUsage, Job, Submission
@@ -52,7 +52,7 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
     gsbatch records an array job under the id sbatch printed, so array tasks fall back to it.
     """
     from slurmgpu.history.db import JobScript
-    from slurmgpu.history.queries import gpus_busy, peak_of
+    from slurmgpu.history.queries import gpus_busy, of_job
 
     stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.user, Job.submit_time, Job.state,
                    Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.comment, Job.sacct_gpu_mem_mib, Job.end_time,
@@ -62,15 +62,15 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
     out = []
     read: dict[str, dict[str, Any]] = {}
     with engine.connect() as conn:
-        peaks = {(c, j): (p, u) for c, j, p, u in conn.execute(
-            select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.peak_mem_mib), func.max(GpuUsage.max_util))
-            .group_by(GpuUsage.cluster, GpuUsage.job_id))}
-        details: dict[tuple[str, str], list[Any]] = {}  # per-GPU figures, one list per host
-        for c, j, detail in conn.execute(select(GpuUsage.cluster, GpuUsage.job_id, GpuUsage.detail)):
-            details.setdefault((c, j), []).append(detail)
-        ooms = {(c, j): f for c, j, f in conn.execute(  # the collector found a GPU OOM in the job's stderr
-            select(GpuUsage.cluster, GpuUsage.job_id, func.max(GpuUsage.gpu_oom))
-            .where(GpuUsage.gpu_oom.is_not(None)).group_by(GpuUsage.cluster, GpuUsage.job_id))}
+        usage: dict[tuple[str, str], list[Any]] = {}  # the collector's rows of each job, one per host
+        for u in conn.execute(select(GpuUsage.cluster, GpuUsage.job_id, GpuUsage.peak_mem_mib, GpuUsage.max_util,
+                                     GpuUsage.gpu_oom, GpuUsage.detail)):
+            usage.setdefault((u.cluster, u.job_id), []).append(u)
+        peaks = {k: (max(u.peak_mem_mib for u in us), max((u.max_util for u in us if u.max_util is not None),
+                                                             default=None)) for k, us in usage.items()}
+        ooms = {k: max(found) for k, us in usage.items()  # the collector found a GPU OOM in the job's stderr
+                if (found := [u.gpu_oom for u in us if u.gpu_oom is not None])}
+        details = {k: [u.detail for u in us] for k, us in usage.items()}  # per-GPU figures, one list per host
         records = {(c, j): (f, r, t) for c, j, f, r, t in conn.execute(
             select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request,
                    JobScript.text).outerjoin(JobScript, JobScript.sha256 == Submission.script_sha256))}
@@ -85,11 +85,10 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
                 feats = read.get(text) or read.setdefault(text, script_features(text))
             if not _well_formed(feats):  # a record from before a feature existed, or a malformed one
                 continue
-            measured = peak_of(peaks, r["cluster"], r["job_id"], r["job_id_raw"])
+            key = (r["cluster"], r["job_id"], r["job_id_raw"])
+            measured = of_job(peaks, *key)
             peak = measured[0] if measured else r["sacct_gpu_mem_mib"]
-            raw = r["job_id_raw"]
-            oom = ooms.get((r["cluster"], r["job_id"])) or (ooms.get((r["cluster"], str(raw))) if raw else None)
-            hosts = details.get((r["cluster"], r["job_id"])) or (details.get((r["cluster"], str(raw))) if raw else None)
+            oom, hosts = of_job(ooms, *key), of_job(details, *key)
             out.append({"job_id": r["job_id"], "user": r["user"], "submit": r["submit_time"], "state": r["state"],
                         "end": r["end_time"], "gpu_type": r["gpu_type"], "gpus": r["gpu_count"],
                         "elapsed": r["elapsed_s"],

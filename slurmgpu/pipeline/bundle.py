@@ -204,7 +204,7 @@ def arch_base_mib(f: Mapping[str, float], siblings: Sequence[Mapping[str, Any]],
     parameter counts. None when no sibling has a measured peak."""
     tokens = math.exp(f["log_tokens"])
     own = published_counts(script)
-    if own is not None and placed_by_size(list(siblings), script) is not None:
+    if own is not None and placed_by_size(siblings, script) is not None:
         (params, acts), fits = own, sized_fits(siblings)
         return (_along({p: a for p, _, a, _ in fits}, params)
                 + _along({x: b / x for _, x, _, b in fits}, acts, floor=True) * acts * tokens)

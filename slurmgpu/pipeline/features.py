@@ -340,7 +340,7 @@ def sized_fits(siblings: Iterable[Mapping[str, Any]]) -> list[tuple[float, float
             and fam.get("params_m", 0.0) > 0]
 
 
-def placed_by_size(siblings: list[Mapping[str, Any]], script_feats: Mapping[str, Any]) -> float | None:
+def placed_by_size(siblings: Iterable[Mapping[str, Any]], script_feats: Mapping[str, Any]) -> float | None:
     """Whether the job's model and two or more siblings of different sizes (both parameters and
     activations) have published sizes, so that the estimate follows those counts
     (bundle.arch_base_mib): 4 when the job's activation count lies among theirs, 5 above the
@@ -360,8 +360,8 @@ def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_
     """What the memory estimate rests on (bundle.memory_base_mib), each with its own calibrated
     margin: the family's own measured peaks (3), lines fitted to two or more other sizes of its
     model placed by their published parameter and activation counts (4 among them, 5 above, 6
-    below), or
-    by their names' scale (2), other sizes' peaks otherwise (1), the analytic prior alone (0)."""
+    below) or by their names' scale (2), other sizes' peaks otherwise (1), the analytic prior alone
+    (0)."""
     if measured(fam):
         return 3.0
     return placed_by_size(siblings, script_feats) or (2.0 if len(linear_fits(siblings)) >= 2 else

@@ -480,11 +480,12 @@ class ModelDecider:
         which a wide margin can push past a card the family completes on). Where the bundle has no
         measured peaks, only the outcomes count (and the request itself, where the estimate allows)."""
         fits = peak_mib * (1 + margin) <= gt.memory_gib * 1024
+        outcomes_only = getattr(self.bundle, "memory_source", "telemetry") == "outcomes"
+        if fits and not outcomes_only:  # the family's outcomes are read only where they can decide
+            return True
         held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
         by_outcome = held is not None and held <= gt.memory_gib
-        if getattr(self.bundle, "memory_source", "telemetry") == "outcomes":
-            return by_outcome or (asked_shape and fits)
-        return fits or by_outcome
+        return (by_outcome or (asked_shape and fits)) if outcomes_only else by_outcome
 
     def _fit_words(self, c: Candidate, sf: Mapping[str, Any], asked_gpus: int) -> str:
         """Why a fitting choice fits, in the reason: its predicted peak, or the family's outcomes
