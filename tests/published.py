@@ -13,6 +13,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from slurmgpu.pipeline.model_sizes import published_size
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "published"
 COLUMNS = ("job_id", "user", "submit_time", "gpu_type", "gpu_count", "elapsed_s", "state", "peak_gpu_mem_mib",
            "script")
@@ -21,14 +23,18 @@ COLUMNS = ("job_id", "user", "submit_time", "gpu_type", "gpu_count", "elapsed_s"
 def memory_rows(source: str = "gpumemnet_timm") -> list[dict[str, str]]:
     """The source's measurements that pass its plausibility checks (``ok``), with an image size.
 
-    An image size the fixture read from a model's name is kept only from 160 px up: below that the
-    number names a width (mobilenetv1_100 is width 1.00, trained at 224 px) or a RegNet's GFLOPs
-    (regnetx_004), not the images it trained on, so its job script gives no image size."""
+    An image size the fixture read from a model's name is often no image size: the number names a
+    width (levit_512, mobilenetv1_100: trained at 224 px) or a RegNet's GFLOPs (regnety_640,
+    regnetx_004). Such a row takes the input size timm publishes for the model (the table
+    ``model_sizes`` was built from); where timm publishes none, the name's number is kept from
+    160 px up and below it the job script gives no image size."""
     with open(FIXTURES / "memory.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r["source"] == source and r["ok"] == "1" and r["image_or_seq"]]
     for r in rows:
-        if r["note"] == "img_size_from_model_name" and int(r["image_or_seq"]) < 160:
-            r["image_or_seq"] = ""
+        if r["note"] == "img_size_from_model_name":
+            size = published_size(r["model"])
+            r["image_or_seq"] = (f"{size.img_size:g}" if size else
+                                 r["image_or_seq"] if int(r["image_or_seq"]) >= 160 else "")
     return rows
 
 

@@ -460,16 +460,34 @@ def test_a_size_beyond_every_sibling_is_never_estimated_below_the_largest() -> N
         assert math.isclose(_along(points, 34), points[34])
 
 
-def test_a_cost_per_activation_is_never_carried_below_either_end() -> None:
-    """With ``floor`` (a cost per activation, highest in the smallest models) the value past either
-    end of the sizes measured is never below that end's, whichever way the sizes slope."""
+def test_a_cost_per_activation_is_never_carried_below_the_nearest_sizes() -> None:
+    """With ``upper`` (a cost per activation: it zigzags between sizes and is highest in the smallest
+    models) the value past either end of the sizes measured is never below that end's, and between
+    two sizes it is the larger of theirs, whichever way the sizes slope."""
     from slurmgpu.pipeline.bundle import _along
 
     for points in ({2.5: 17.0, 11.0: 9.2, 32.0: 8.2}, {2.5: 8.0, 11.0: 9.0, 32.0: 10.0}):
         low, high = points[min(points)], points[max(points)]
-        assert all(_along(points, x, floor=True) >= low * (1 - 1e-9) for x in (0.1, 1.0, 2.4))
-        assert all(_along(points, x, floor=True) >= high * (1 - 1e-9) for x in (33.0, 100.0))
-        assert math.isclose(_along(points, 11.0, floor=True), points[11.0])
+        assert all(_along(points, x, upper=True) >= low * (1 - 1e-9) for x in (0.1, 1.0, 2.4))
+        assert all(_along(points, x, upper=True) >= high * (1 - 1e-9) for x in (33.0, 100.0))
+        assert math.isclose(_along(points, 11.0, upper=True), points[11.0])
+        assert math.isclose(_along(points, 5.0, upper=True), max(points[2.5], points[11.0]))
+        assert _along(points, 5.0) < max(points[2.5], points[11.0])  # plain interpolation lies between
+
+
+def test_a_fixed_part_affine_in_the_parameters_is_carried_exactly() -> None:
+    """A fixed part that is a constant (CUDA context, workspace) plus so many bytes per parameter
+    (weights, gradients, optimizer state) is carried along the parameter count on linear axes: among
+    the sizes and beyond them it is the line itself, where log axes bend it; below the smallest size
+    it never falls faster than in proportion."""
+    from slurmgpu.pipeline.bundle import _along
+
+    line = {p: 600.0 + 16.0 * p for p in (11.0, 25.0, 60.0)}
+    for p in (8.0, 18.0, 40.0, 150.0):
+        assert math.isclose(_along(line, p, linear=True), 600.0 + 16.0 * p)
+    assert abs(_along(line, 18.0) - (600.0 + 16.0 * 18.0)) > 1.0
+    steep = {10.0: 100.0, 20.0: 1000.0}
+    assert math.isclose(_along(steep, 5.0, linear=True), 50.0)
 
 
 def test_published_sizes_are_found_by_the_name_a_script_passes() -> None:
