@@ -151,6 +151,12 @@ def test_decider_moves_small_job_off_the_biggest_card_when_it_is_busy(trained, c
     assert d.changed and d.changes[0].gpu_type == "v100", d.reasons
     chosen = [c for c in d.per_type if c.gpu_type == "v100" and c.gpus == 1][0]
     assert chosen.fits and chosen.pred_peak_mem_mib * 1.1 <= 32 * 1024
+    # balanced weighs GPU cost in: its percentage says so, not a ratio of the two finish times shown
+    assert d.reasons[-1].startswith("model (balanced): 1 x v100 predicted to finish in ")
+    assert "% better, time to result and GPU cost weighed equally)" in d.reasons[-1]
+    asked = decide(bundle, config, script_for("resnet", 16, 1000, "a100"), free={"a100": 4, "v100": 0, "t4": 0})
+    assert not asked.changed and asked.reasons[-1] == \
+        "model: the request as asked is predicted best (balanced); request kept", asked.reasons
 
 
 def test_decider_never_picks_a_card_the_job_does_not_fit(trained, config) -> None:
@@ -175,7 +181,10 @@ def test_a_family_without_history_moves_only_to_a_card_as_large_and_fast(trained
     assert "0 earlier jobs of this family (< 3): only a card at least as large and fast as asked; 2 x a100 " \
         "(80 GiB, speed 1 vs 32 GiB, 0.45)" in d.reasons[-1]
     shown = {c.gpu_type: c for c in d.per_type if c.gpus == 2}
-    assert f"{(shown['a100'].expected_wait_s + shown['a100'].pred_runtime_s) / 60:.0f} min vs " in d.reasons[-1]
+    done = {t: (c.expected_wait_s + c.pred_runtime_s) / 60 for t, c in shown.items()}
+    # fastest: the percentage is the finish times' own (the numbers shown are the numbers used)
+    assert f"{done['a100']:.0f} min vs {done['v100']:.0f} min as asked ({1 - done['a100'] / done['v100']:.0%} " \
+        "sooner)" in d.reasons[-1]
     assert not decide(trained[0], config, new, free={"a100": 0, "v100": 8, "t4": 8}).changed  # as asked is sooner
     on_a100 = new.replace("gpu:v100:2", "gpu:a100:2")
     assert not decide(trained[0], config, on_a100, free={"a100": 0, "v100": 8, "t4": 8}).changed
@@ -187,7 +196,12 @@ def test_no_history_and_pinned_jobs_are_kept(trained, config) -> None:
     d = decide(bundle, config, unknown, free={"a100": 0})
     assert not d.changed and "earlier jobs of this family" in d.reasons[-1]
     pinned = script_for("resnet", 16, 1000, "a100").replace("--gres=gpu:a100:1", "--gres=gpu:1 --constraint=a100")
-    assert not decide(bundle, config, pinned, free={"a100": 0}).changes[0].gpus_total
+    typed = decide(bundle, config, pinned, free={"a100": 0})
+    assert not typed.changes[0].gpus_total
+    # the rules typed the request (a change): the model's reason must not call it kept
+    assert typed.changes[0].gpu_type == "a100" and typed.reasons[-1] == \
+        "model: the request pins its GPU type; no further change", typed.reasons
+    assert d.reasons[-1].endswith("; request kept")
 
 
 def test_missing_corrupt_or_stale_model_keeps_the_request(trained, config, tmp_path: Path, capsys) -> None:

@@ -124,7 +124,8 @@ def bound_check(bundle: Any, test_rows: Sequence[dict[str, Any]], config: Any) -
 
 
 def _outcome(p: Any) -> str:
-    """A plan's decision in a few words, then its last reason."""
+    """A plan's decision in a few words, then why: a change with every reason (the rules' and the
+    model's), a kept request with the last."""
     d = p.decision
     if d.refusal:
         return f"[red]refused[/red]: {d.refusal}"
@@ -133,7 +134,7 @@ def _outcome(p: Any) -> str:
     c, comp = d.changes[0], p.request.main
     gtype, gpus = c.gpu_type or comp.gpu_type or "any type", c.gpus_total or comp.gpus_total
     where = f" in {c.partition}" if c.partition else ""
-    return f"[yellow]{gpus} x {gtype}{where}[/yellow]: {d.reasons[-1]}"
+    return f"[yellow]{gpus} x {gtype}{where}[/yellow]: {'; '.join(d.reasons)}"
 
 
 def _pct(x: float | None, fmt: str = ".1%") -> str:
@@ -252,7 +253,7 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
         if p.decision.refusal:
             verdict, why = "[red]refused[/red]", p.decision.refusal
         elif p.submission.changed:
-            verdict, why = "[yellow]rewritten[/yellow]", p.decision.reasons[-1]
+            verdict, why = "[yellow]rewritten[/yellow]", "; ".join(p.decision.reasons)  # each change's own
             shown = shown or (path, p.submission.script_text)
         else:
             verdict, why = "[green]kept[/green]", p.decision.reasons[-1]

@@ -17,6 +17,11 @@ from slurmgpu.pipeline.features import RATE, busy_bound, log_size, rate_keys
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
+# What the gain in a reason measures, by objective (ModelDecider._score): a percentage shown next
+# to two finish times must not read as their ratio when the cost weighs in too.
+GAIN_WORDS = {"fastest": "sooner", "cheapest": "cheaper in GPU cost",
+              "balanced": "better, time to result and GPU cost weighed equally"}
+
 
 class ComponentChange(NamedTuple):
     """New values for one component; None means 'leave as the user wrote it'."""
@@ -216,8 +221,11 @@ class ModelDecider:
         self.wait = wait
         self.rules = RuleDecider(config, admits)
 
-    def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = ()) -> Decision:
-        return rule._replace(reasons=(*rule.reasons, why), decider=self.name, per_type=per_type)
+    def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = (), hint: str = "") -> Decision:
+        """The rules' decision, with the model's reason WHY for adding nothing to it: "request kept"
+        only where the rules changed nothing either (a note must not call a rewritten request kept)."""
+        kept = "no further change" if rule.changes else "request kept"
+        return rule._replace(reasons=(*rule.reasons, f"{why}; {kept}{hint}"), decider=self.name, per_type=per_type)
 
     def decide(self, request: JobRequest) -> Decision:
         from slurmgpu.pipeline.features import script_features
@@ -228,11 +236,11 @@ class ModelDecider:
             return rule
         comp = request.main
         if request.is_hetjob or not comp.gpus_total or request.script is None:
-            return self._keep(rule, "model: heterogeneous, GPU-less or script-less job; request kept")
+            return self._keep(rule, "model: heterogeneous, GPU-less or script-less job")
         if comp.constraint_gpu_types:
-            return self._keep(rule, "model: the request pins its GPU type; request kept")
+            return self._keep(rule, "model: the request pins its GPU type")
         if comp.rewrite_blocker:
-            return self._keep(rule, f"model: {comp.rewrite_blocker}; request kept as written")
+            return self._keep(rule, f"model: {comp.rewrite_blocker}")
         sf = script_features(request.script.text)
         fam_n = self.bundle.history.family(sf["family"]).get("n", 0)
         policy = self.config.policy
@@ -240,7 +248,7 @@ class ModelDecider:
         parts = [target] if target else (comp.partitions or [self.config.default_partition or ""])
         offered = [p for p in (self.config.partitions.get(n) for n in parts) if p]
         if not offered:
-            return self._keep(rule, "model: partition unknown to the config; request kept")
+            return self._keep(rule, "model: partition unknown to the config")
         if policy.move_partitions and self.admits is not None:  # only where Slurm's rules are known
             offered += [p for p in self.config.partitions.values() if p not in offered]
         req_type, req_total = comp.gpu_type, comp.gpus_total
@@ -268,10 +276,10 @@ class ModelDecider:
         too_new = f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history})"
         asked = [c for c in table if c.gpus == req_total and (req_type is None or c.gpu_type == req_type)]
         if new_family and (not asked or req_type is None):
-            return self._keep(rule, too_new + "; request kept", per_type)
+            return self._keep(rule, too_new, per_type)
         if not asked:
-            return self._keep(rule, "model: the requested type/count is outside the configured partitions; "
-                                    "request kept", per_type)
+            return self._keep(rule, "model: the requested type/count is outside the configured partitions",
+                              per_type)
         baseline = min(asked, key=lambda c: c.expected_wait_s + c.pred_runtime_s)
         effective = target or comp.partition or self.config.default_partition
         # Where each type would run: the job's own partition when it has the type, else another
@@ -300,7 +308,7 @@ class ModelDecider:
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
         if new_family:
             if best is None or gain < policy.min_gain:
-                return self._keep(rule, too_new + "; request kept", per_type)
+                return self._keep(rule, too_new, per_type)
         else:
             hint = self._fit_hint(request, sf, req, baseline, table, seen, offered) if not baseline.fits \
                 else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
@@ -314,19 +322,20 @@ class ModelDecider:
                         default=None)
             best = freed or best
         if best is None:
-            return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit; "
-                                    "request kept" + hint, per_type)
-        if freed is None and ((best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus)
-                              or gain < policy.min_gain):
-            return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%}); request kept"
-                                    + hint, per_type)
+            return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit",
+                              per_type, hint)
+        if freed is None and (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus):
+            return self._keep(rule, f"model: the request as asked is predicted best ({policy.objective})",
+                              per_type, hint)
+        if freed is None and gain < policy.min_gain:
+            return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%})", per_type, hint)
         partition = home[best.gpu_type]
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
         times = (f"predicted to finish in {(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
                  f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked")
-        finish = f"{times} ({gain:.0%} better)"
+        finish = f"{times} ({gain:.0%} {GAIN_WORDS[policy.objective]})"
         if freed:
             why = f"model: {best.gpus} x {best.gpu_type} of the {req_total} asked, {times}"
         elif new_family:

@@ -59,8 +59,10 @@ def _notes(ev: Evaluation) -> list[str]:
             f"({sum(sim_cluster(sc.cluster).capacity(t) for t in sc.cluster.gpu_types())} GPUs, "
             f"{len(sc.cluster.gpu_types())} types), seed {sc.seed}. The first {ev.train_jobs:,} by submit time train "
             f"the decider; the other {ev.evaluated:,} are evaluated under every policy.",
-            f"slurmgpu decider: {ev.decider}. Decisions are made at submit time with every GPU counted free; "
-            "no policy sees the simulation.",
+            f"slurmgpu decider: {ev.decider}. Each job is decided at its submit time"
+            + (" from the simulated queue as squeue shows it then (running jobs hold their GPUs for the time left "
+               "to their limits, pending ones for their limits)" if ev.decider == "model" else "")
+            + "; true peaks and run times are never seen.",
             f"{ev.unfittable} evaluated jobs fit no card in the cluster: they run out of memory under every policy.",
             *(f"{POLICIES[p.name]}: {p.note}." for p in ev.policies),
             "Times in hours (makespan in days). mem used: per-GPU peak / card memory over allocated GPUs, "
