@@ -165,6 +165,9 @@ def test_tagged_words_go_after_the_options_and_never_over_a_comment() -> None:
     assert tagged_words(["--comment=mine", "job.sh"], tag, 1) == ["--comment=mine", "job.sh"]
     assert tagged_words(["job.sh"], "slurmgpu:d=1;rm -rf", 1) == ["job.sh"]  # a malformed tag is not sent
     assert tagged_words(["job.sh"], None, 1) == ["job.sh"]
+    # after '--' every word is the script or its arguments: the tag goes before it
+    assert tagged_words(["--hold", "--", "job.sh", "x"], tag, 2) == ["--hold", f"--comment={tag}", "--", "job.sh", "x"]
+    assert tagged_words(["job.sh", "--comment=x"], tag, 2) == [f"--comment={tag}", "job.sh", "--comment=x"]  # an arg
 
 
 def test_ingest_links_a_job_to_its_decision_only_for_the_same_user(db_url: str, tmp_path: Path) -> None:

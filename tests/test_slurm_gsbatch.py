@@ -195,6 +195,51 @@ def test_a_script_without_final_newline_is_rewritten_and_accepted(tmp_path: Path
     assert info["Partition"] == "gpu-small" and "gres/gpu:t4=1" in info["TRES"]
 
 
+def test_a_script_after_double_dash_gets_the_decision_tag_before_it(tmp_path: Path, submitted: list[str],
+                                                                     capfd) -> None:
+    """'gsbatch --hold -- job.sh arg': the tag once went after the '--', where sbatch took it for the script."""
+
+    class Kept:
+        name = "model"  # the model's decisions are tagged
+
+        def decide(self, request) -> Decision:
+            return Decision((), ("kept",), decider=self.name)
+
+    p = script(tmp_path, "dd.sh", "#SBATCH --gres=gpu:t4:1 -p gpu-small")
+    env = {"PATH": "/usr/bin:/bin", "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path)}
+    code = gsbatch.main(["--parsable", "--hold", "--", str(p), "arg1"], env=env, backend=CliBackend(), decider=Kept())
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    submitted.append(job_id_of(out))
+    info = job_info(submitted[-1])
+    assert info["Comment"].startswith("slurmgpu:d=") and info["JobName"] == "dd.sh", info
+
+
+@pytest.mark.parametrize("form", ["pipe", "fifo"])
+def test_a_piped_script_path_reaches_slurm_whole(tmp_path: Path, sample_config: Path, submitted: list[str],
+                                                 form: str) -> None:
+    """'cat job.sh | gsbatch /dev/stdin' or a FIFO: gsbatch reads the stream to decide, so sbatch,
+    opening the path after it, would find it empty; it gets what was read, as plain sbatch would."""
+    data = b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1 -p gpu-small\nsleep 30\n"
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
+           "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path)}
+    if form == "pipe":
+        res = subprocess.run(["gsbatch", "--hold", "--parsable", "/dev/stdin"], input=data, capture_output=True,
+                             cwd=tmp_path, env=env, timeout=60, check=False)
+    else:
+        fifo = tmp_path / "job.fifo"
+        os.mkfifo(fifo)
+        proc = subprocess.Popen(["gsbatch", "--hold", "--parsable", str(fifo)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+        fifo.write_bytes(data)  # blocks until gsbatch opens it for reading
+        stdout, stderr = proc.communicate(timeout=60)
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert res.returncode == 0, res.stderr
+    submitted.append(job_id_of(res.stdout.decode()))
+    assert batch_script(submitted[-1]) == data  # kept as written, every byte
+    assert job_info(submitted[-1])["JobName"] == ("stdin" if form == "pipe" else "job.fifo")
+
+
 @pytest.mark.parametrize(("data", "accepted"), [
     (b"#!/bin/bash\r\n#SBATCH --gres=gpu:t4:1\r\nsrun x\r\n", False),  # DOS line breaks: sbatch refuses
     (b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1\r# a lone CR\nsrun x\r", True),  # a lone CR is whitespace

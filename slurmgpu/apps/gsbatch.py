@@ -180,8 +180,8 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
 
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
     if inv.flags or inv.gpu_mem is not None or (inv.script is None and not inv.wrap) \
-            or not os.path.exists(socket_path):
-        return None  # dry runs, explanations, --gpu-mem and stdin scripts are planned here
+            or (inv.script is not None and is_stream(inv.script)) or not os.path.exists(socket_path):
+        return None  # dry runs, explanations, --gpu-mem, stdin and piped scripts are planned here
     data = None
     if inv.script is not None:
         try:
@@ -319,6 +319,17 @@ def as_written(inv: Invocation, backend: SlurmBackend, env: Mapping[str, str], s
     sent on), one warning line, and sbatch's exit code."""
     _note(sys.stderr, "warning", f"{why}; submitting as written")
     return run_sbatch(backend, inv.sbatch_words(), env, stdin).code
+
+
+def is_stream(path: str) -> bool:
+    """Whether the script path is a pipe, FIFO or device (``/dev/stdin``, ``<(...)``): read once
+    to decide, it is empty by the time sbatch opens it, so sbatch gets a copy of what was read."""
+    import stat
+
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False  # sbatch words the error itself
 
 
 def private_copy(script: str, data: bytes) -> tuple[str, str]:
@@ -499,8 +510,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         _change_notes(inv, out)
         return _show(inv, out)
     words, data, tmpdir = inv.sbatch_words(), out.stdin, None
-    if out.changed:
-        data = out.script_text.encode("utf-8", "surrogateescape") if out.script_text is not None else None
+    read = p.get("script_data")
+    if out.changed or (inv.script is not None and isinstance(read, bytes) and is_stream(inv.script)):
+        data = out.script_text.encode("utf-8", "surrogateescape") if out.script_text is not None \
+            else read if not out.changed else None
         if inv.script is None:
             words, data = inv.sbatch_words(out.cli_words), data if out.stdin is not None else None
         else:

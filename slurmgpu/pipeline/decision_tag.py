@@ -67,7 +67,9 @@ def tagged_words(words: list[str], tag: object, operands: int) -> list[str]:
     """sbatch's words with ``--comment=<tag>`` after the options (before the last ``operands`` words:
     the script and its arguments); unchanged when ``tag`` is not a well-formed tag (a daemon's plan
     is not believed blindly)."""
-    if not isinstance(tag, str) or parse_tag(tag) is None or any(w.startswith("--comment") for w in words):
-        return words
     cut = len(words) - operands
+    if not isinstance(tag, str) or parse_tag(tag) is None or any(w.startswith("--comment") for w in words[:cut]):
+        return words
+    if words[cut - 1:cut] == ["--"]:  # 'sbatch ... -- job.sh': an option after the '--' is the script
+        cut -= 1
     return [*words[:cut], f"--comment={tag}", *words[cut:]]
