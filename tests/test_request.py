@@ -66,10 +66,26 @@ def test_hetjob_sums_components_and_cli_applies_to_each() -> None:
     ("#SBATCH -N 2 -n 1 --gres=gpu:1\n", 1, {"": 1}, None),  # fewer tasks than nodes lowers -N
     ("#SBATCH -N 2 --gpus-per-task=2\n", 4, {"": 4}, None),  # one task per node implied
     ("#SBATCH --gpus-per-task=0 --gres=gpu:3\n", 3, {"": 3}, None),
+    ("#SBATCH -N 1 --tasks-per-node=2 --gpus-per-task=1\n", 2, {"": 2}, None),  # ntasks-per-node's other name
+    ("#SBATCH -N 1 --tasks-per-node 2 --gpus-per-task=1\n", 2, {"": 2}, None),
+    ("#SBATCH --ntasks-per-tres=2 -G 2\n", 2, {"": 2}, None),  # ntasks-per-gpu's other name
 ])
 def test_slurm_combination_rules(body: str, total: int, by_type: dict[str, int], gtype: str | None) -> None:
     r = req(body)
     assert (r.gpus_total, r.to_json()["gpus_by_type"], r.gpu_type) == (total, by_type, gtype)
+
+
+def test_memory_from_the_environment_gives_way_to_an_explicit_one() -> None:
+    """As sbatch 22.05 did on the local cluster: SBATCH_MEM_PER_CPU=1G with '#SBATCH --mem=4G' is
+    accepted with mem=4G; two from the environment are refused, naming the variables."""
+    r = req("#SBATCH --mem=4G\n", env={"SBATCH_MEM_PER_CPU": "1G"})
+    assert (r.main.mem_mb, r.main.mem_per_cpu_mb) == (4096, None) and "mem-per-cpu" not in r.main.options
+    r = req("#SBATCH -G 1\n", cli=["--mem-per-gpu=2G"], env={"SBATCH_MEM_PER_CPU": "1G"})
+    assert (r.main.mem_per_gpu_mb, r.main.mem_per_cpu_mb) == (2048, None)
+    with pytest.raises(InputError, match="^SBATCH_MEM_PER_NODE and SBATCH_MEM_PER_CPU are mutually exclusive$"):
+        req("#SBATCH -G 1\n", env={"SBATCH_MEM_PER_CPU": "1G", "SBATCH_MEM_PER_NODE": "2G"})
+    with pytest.raises(InputError, match="--mem and --mem-per-cpu are mutually exclusive"):
+        req("#SBATCH --mem=4G\n", cli=["--mem-per-cpu=1G"])
 
 
 def test_gpus_per_socket_from_the_environment() -> None:

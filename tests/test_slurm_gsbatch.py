@@ -58,6 +58,10 @@ SYNTAXES = [
     ("gpus_per_task.sh", "#SBATCH --gpus-per-task=t4:1 --ntasks=2 -p gpu-small", {"TresPerTask": "gpu:t4:1"}),
     ("gpus_per_socket.sh", "#SBATCH --gpus-per-socket=a100:1 --sockets-per-node=1", {"TresPerSocket": "gpu:a100:1"}),
     ("constraint.sh", "#SBATCH --gres=gpu:1 --constraint=v100", {"TresPerNode": "gpu:v100:1", "Features": "v100"}),
+    # a cluster of short options: the flags before the rewritten one stay (-s once went missing)
+    ("cluster.sh", "#SBATCH -sp gpu-small\n#SBATCH --gres=gpu:a100:1",
+     {"Partition": "gpu", "OverSubscribe": "YES", "TresPerNode": "gpu:a100:1"}),
+    ("cluster_gpus.sh", "#SBATCH -C a100\n#SBATCH -sG1", {"OverSubscribe": "YES", "TresPerJob": "gpu:a100:1"}),
 ]
 
 
@@ -128,6 +132,36 @@ def test_refused_request_never_reaches_slurm(tmp_path: Path, sample_config: Path
     after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
     assert res.returncode == 1 and res.stdout == "" and "at most 4 per node" in res.stderr
     assert before == after
+
+
+@pytest.mark.parametrize("opts", [
+    ["-p", "gpu", "--gres=gpu:6"],  # untyped: 4 A100s and 4 V100s on one node, Slurm mixes them
+    ["-p", "gpu", "--gres=gpu:a100:4,gpu:v100:2"],
+    ["-p", "gpu,debug", "-G", "6"],  # debug is not in the config: nothing is known of it
+    ["-p", "gpu", "--gres=gpu:9"],  # more than the node holds: both refuse
+    ["-p", "gpu", "--gpus-per-node=a100:5"],
+])
+def test_refuses_a_gpu_count_only_where_slurm_does(tmp_path: Path, sample_config: Path, opts: list[str]) -> None:
+    """Slurm is the oracle: sbatch --test-only places the job or says it cannot, and gsbatch refuses
+    before submission exactly the requests Slurm cannot place."""
+    p = script(tmp_path, "count.sh", "")
+    plain = run(["sbatch", "--test-only", *opts, str(p)], tmp_path, sample_config)
+    ours = run(["gsbatch", "--test-only", *opts, str(p)], tmp_path, sample_config)
+    placed = plain.returncode == 0 and "to start at" in plain.stderr
+    assert (ours.returncode == 0) == placed, (plain.stderr, ours.stderr)
+    assert placed or "gsbatch: error:" in ours.stderr
+
+
+def test_a_partition_list_with_one_the_config_lacks_is_kept(tmp_path: Path, sample_config: Path,
+                                                           submitted: list[str]) -> None:
+    """'-p gpu-small,debug' for A100s: debug (not in the config) has them, so the list stands;
+    it once became '--partition=gpu', dropping debug."""
+    p = script(tmp_path, "list.sh", "#SBATCH -p gpu-small,debug --gres=gpu:a100:2")
+    res = run(["gsbatch", "--hold", "--parsable", str(p)], tmp_path, sample_config)
+    assert res.returncode == 0, res.stderr
+    submitted.append(job_id_of(res.stdout))
+    assert job_info(submitted[-1])["Partition"] == "gpu-small,debug"
+    assert batch_script(submitted[-1]) == p.read_bytes()
 
 
 def test_config_check_against_live_cluster(sample_config: Path, tmp_path: Path) -> None:

@@ -137,8 +137,10 @@ class RuleDecider:
         cfg = self.config
         asked = comp.partitions or ([cfg.default_partition] if cfg.default_partition else [])
         known = [cfg.partitions[p] for p in asked if p in cfg.partitions]
-        if not known:
-            where = ",".join(asked) or "(default)"
+        if len(known) < len(asked) or not known:
+            # Slurm may start the job in a partition the config does not describe: nothing can be
+            # refused or moved on what the config knows of the rest
+            where = ",".join(p for p in asked if p not in cfg.partitions) or "(default)"
             return None, [f"{label}partition {where} is not in the slurmgpu config; request kept"], None
         from_constraint = not any(g.type for g in comp.gpus)
         gtype = cfg.type_for_feature(comp.gpu_type) if from_constraint and comp.gpu_type else comp.gpu_type
@@ -162,15 +164,21 @@ class RuleDecider:
                            f"moved to {target.name}, which has it")
         check = [target] if target else [p for p in known if not gtype or gtype in p.gpu_types]
         per_node = comp.gpus_per_node if (comp.nodes_set or any(g.per != "job" for g in comp.gpus)) else None
-        fits = [p for p in check if (per_node or 0) <= p.gpus_per_node
-                and comp.gpus_total <= p.gpus_per_node * p.nodes]
+
+        def room(p: Partition) -> int:
+            """GPUs a node of P can give the request: gpus_per_node of its one type, or, untyped or of
+            several types, of each type the partition has (a node may hold them all: Slurm mixes them)."""
+            return p.gpus_per_node * (1 if gtype else max(len(p.gpu_types), 1))
+
+        fits = [p for p in check if (per_node or 0) <= room(p) and comp.gpus_total <= room(p) * p.nodes]
         if not fits:
             p = check[0]
-            if per_node and per_node > p.gpus_per_node:
+            of = f" ({p.gpus_per_node} of each of its types)" if room(p) != p.gpus_per_node else ""
+            if per_node and per_node > room(p):
                 return None, reasons, (f"{label}asks for {per_node} GPUs per node but partition {p.name} "
-                                       f"has at most {p.gpus_per_node} per node")
+                                       f"has at most {room(p)} per node{of}")
             return None, reasons, (f"{label}asks for {comp.gpus_total} GPUs but partition {p.name} has "
-                                   f"{p.gpus_per_node * p.nodes} in all")
+                                   f"at most {room(p) * p.nodes} in all{of}")
         new_type = gtype if from_constraint else None
         blocker = comp.rewrite_blocker or _shared_in_hetjob(comp, {g.option for g in comp.gpus}, het)
         if new_type and blocker:
@@ -247,7 +255,7 @@ class ModelDecider:
         target = rule.changes[0].partition if rule.changes else None
         parts = [target] if target else (comp.partitions or [self.config.default_partition or ""])
         offered = [p for p in (self.config.partitions.get(n) for n in parts) if p]
-        if not offered:
+        if len(offered) < len(parts) or not offered:  # a partition it cannot see may run the job
             return self._keep(rule, "model: partition unknown to the config")
         if policy.move_partitions and self.admits is not None:  # only where Slurm's rules are known
             offered += [p for p in self.config.partitions.values() if p not in offered]

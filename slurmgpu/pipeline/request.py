@@ -408,7 +408,8 @@ def build_request(
 
 # What later hetjob components take from component 0 when they do not say (seen with real
 # sbatch 22.05 and scontrol); partition, constraint and GPUs are not inherited.
-_INHERITED = (("time",), ("mem", "mem-per-cpu", "mem-per-gpu"), ("account",), ("job-name",), ("qos",))
+_MEMORY = ("mem", "mem-per-cpu", "mem-per-gpu")
+_INHERITED = (("time",), _MEMORY, ("account",), ("job-name",), ("qos",))
 
 
 def _inherit(merged: dict[str, OptionValue], first: Mapping[str, OptionValue]) -> None:
@@ -462,9 +463,17 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
         v = val(name)
         return parse_mem_mb(v, "--" + name) if v is not None else None
 
-    if sum(val(n) is not None for n in ("mem", "mem-per-cpu", "mem-per-gpu")) > 1:
-        given = [f"--{n}" for n in ("mem", "mem-per-cpu", "mem-per-gpu") if val(n) is not None]
-        raise InputError(f"{' and '.join(given)} are mutually exclusive", option=given[-1])
+    # sbatch (slurm_opt.c, _validate_memory_options): two given on the command line or in the script
+    # are an error; one given there drops any from the environment; two from the environment are.
+    given = [n for n in _MEMORY if val(n) is not None]
+    explicit = [n for n in given if opts[n].origin.source != "env"]
+    if len(explicit) > 1:
+        raise InputError(f"{' and '.join('--' + n for n in explicit)} are mutually exclusive",
+                         option="--" + explicit[-1])
+    if explicit:
+        opts = {k: v for k, v in opts.items() if k not in given or k in explicit}
+    elif len(given) > 1:
+        raise InputError(f"{' and '.join(str(opts[n].origin.variable) for n in given)} are mutually exclusive")
     time_value = val("time")
     comp = ComponentRequest(
         index=index,

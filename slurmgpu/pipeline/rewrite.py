@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.policy import ComponentChange, Decision
 from slurmgpu.pipeline.request import ComponentRequest, GpuAsk, JobRequest, Origin
-from slurmgpu.pipeline.sbatch_options import BY_NAME, ENV_BY_OPTION
+from slurmgpu.pipeline.sbatch_options import BY_NAME, BY_SHORT, ENV_BY_OPTION, Arg
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_.,:/@%+=-]*$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -122,6 +122,18 @@ class _Edits:
         self.env: dict[str, str] = {}
 
 
+def _flags_before(text: str, name: str) -> str:
+    """The flags a script's option cluster holds before option NAME ('-s ' of '-sp gpu-small'), which
+    its rewrite keeps: only flags without a value can come before an option that takes one."""
+    short = BY_NAME[name].short
+    if text.startswith("--") or not short or not text.startswith("-") or text[1:2] == short:
+        return ""
+    at = text.find(short, 1)
+    if at < 0 or any(c not in BY_SHORT or BY_SHORT[c].arg is not Arg.NONE for c in text[1:at]):
+        raise RewriteError(f"{name} is set inside the option cluster {text.split()[0]!r}; not rewritten")
+    return text[:at] + " "
+
+
 def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, edits: _Edits) -> None:
     origin: Origin | None = comp.options[name].origin if name in comp.options else None
     m = _macros()
@@ -138,7 +150,8 @@ def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, 
     elif origin.source == "script":
         assert req.script is not None
         d = [d for d in req.script.component_directives(comp.index) if d.name == name and d.line == origin.line][-1]
-        edits.script.append((d.start, d.end, m.option(name, value)))
+        kept = _flags_before(req.script.text[d.start:d.end], name)
+        edits.script.append((d.start, d.end, kept + m.option(name, value)))
     elif origin.source == "env":
         edits.env[ENV_BY_OPTION[name]] = value
     else:

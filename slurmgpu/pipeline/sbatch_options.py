@@ -42,6 +42,7 @@ SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("clusters", _REQ, "M"),
     OptionSpec("comment", _REQ),
     OptionSpec("constraint", _REQ, "C"),
+    OptionSpec("context", _REQ),
     OptionSpec("container", _REQ),
     OptionSpec("container-id", _REQ),
     OptionSpec("contiguous", _NO),
@@ -142,6 +143,10 @@ SPECS: tuple[OptionSpec, ...] = (
 )
 
 BY_NAME: dict[str, OptionSpec] = {s.name: s for s in SPECS}
+# Other names sbatch takes for an option (Slurm's slurm_opt.c: one option, two long names); a word
+# with either name is read as the option under its canonical name.
+ALIASES: dict[str, str] = {"cluster": "clusters", "tasks-per-node": "ntasks-per-node",
+                           "ntasks-per-tres": "ntasks-per-gpu"}
 BY_SHORT: dict[str, OptionSpec] = {s.short: s for s in SPECS if s.short}
 
 # Input environment variables that sbatch reads as if they were options (man sbatch,
@@ -177,11 +182,14 @@ class OptionError(ValueError):
 
 def lookup_long(word: str) -> OptionSpec | None:
     """Resolve a long option name or unambiguous prefix, as getopt_long does."""
-    if word in BY_NAME:
-        return BY_NAME[word]
-    matches = [s for s in SPECS if s.name.startswith(word)]
+    exact = BY_NAME.get(ALIASES.get(word, word))
+    if exact is not None:
+        return exact
+    named = [n for n in (*BY_NAME, *ALIASES) if n.startswith(word)]
+    # getopt_long: prefixes of two names of one option are not ambiguous
+    matches = list(dict.fromkeys(BY_NAME[ALIASES.get(n, n)] for n in named))
     if len(matches) > 1:
-        names = ", ".join("--" + m.name for m in matches)
+        names = ", ".join("--" + n for n in named)
         raise OptionError("--" + word, f"option '--{word}' is ambiguous; possibilities: {names}")
     return matches[0] if matches else None
 
