@@ -222,6 +222,37 @@ def test_an_internal_failure_still_submits_as_written(tmp_path: Path, capsys: py
     assert capsys.readouterr().err.count("warning: slurmgpu failed (RuntimeError: boom)") == 1
 
 
+def test_an_option_cluster_on_the_command_line_keeps_its_flags(tmp_path: Path) -> None:
+    """'-HG1': the count is rewritten and -H kept (the job once went as written, on a 16 GiB t4)."""
+    backend = _Recording()
+    p = tmp_path / "job.sh"
+    p.write_text(job())
+    assert gsbatch.main(["--gpu-mem=20G", "-HG1", "-p", "gpu-small", str(p)], env=_env(), backend=backend,
+                        decider=RuleDecider(CONFIG)) == 0
+    (words, _), = backend.calls
+    assert words[:3] == ["-H", "--gpus=v100:1", "--partition=gpu"] and words[3].endswith("/job.sh"), words
+
+
+def test_a_rewrite_that_cannot_be_written_refuses_rather_than_ignore_the_memory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import slurmgpu.pipeline.plan as plan_module
+    from slurmgpu.pipeline.rewrite import RewriteError, apply
+
+    def unwritable(request, decision):
+        if decision.changed:
+            raise RewriteError("no way to write it")
+        return apply(request, decision)
+
+    monkeypatch.setattr(plan_module, "apply", unwritable)
+    backend = _Recording()
+    p = tmp_path / "job.sh"
+    p.write_text(job("#SBATCH --gres=gpu:1 -p gpu-small"))
+    assert gsbatch.main(["--gpu-mem=20G", str(p)], env=_env(), backend=backend, decider=RuleDecider(CONFIG)) == 1
+    assert not backend.calls
+    assert capsys.readouterr().err == (f"gsbatch: error: {p}: --gpu-mem 20 GiB: the GPU request cannot be "
+                                       "rewritten (no way to write it)\n")
+
+
 def test_decide_gpu_mem_keeps_the_count_on_several_nodes() -> None:
     text = job("#SBATCH -N 1 --gpus-per-node=3")
     request = build_request(parse_script(text.encode()), [], {}, CONFIG.gpu_features())

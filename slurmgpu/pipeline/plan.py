@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import JobRequest, build_request
-from slurmgpu.pipeline.rewrite import Submission, apply
+from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
 from slurmgpu.pipeline.script import GPU_MEM, BatchScript, parse_gpu_mem
 
 
@@ -50,7 +50,16 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
         decision = decide_gpu_mem(decider, request, ask)
     else:
         decision = decider.decide(request)
-    return Plan(request, decision, apply(request, decision), tag=_tag(request, decision, script, options))
+    try:
+        submission = apply(request, decision)
+    except RewriteError as exc:
+        if ask is None:
+            raise  # the model's or the rules' own change: the job goes as written, with a warning
+        # the user asked for this memory: submitted without it, the job could land on a smaller card
+        decision = Decision(refusal=f"{ask.label}: the GPU request cannot be rewritten ({exc})",
+                            decider=decision.decider)
+        submission = apply(request, decision)
+    return Plan(request, decision, submission, tag=_tag(request, decision, script, options))
 
 
 def _tag(request: JobRequest, decision: Decision, script: BatchScript | None, options: Sequence[str]) -> str | None:

@@ -117,13 +117,13 @@ class _Edits:
 
     def __init__(self) -> None:
         self.script: list[tuple[int, int, str]] = []  # (start, end, text)
-        self.cli: dict[int, tuple[int, str]] = {}  # first word -> (last word, text)
+        self.cli: dict[int, tuple[int, list[str]]] = {}  # first word -> (last word, new words)
         self.cli_prepend: list[str] = []
         self.env: dict[str, str] = {}
 
 
 def _flags_before(text: str, name: str) -> str:
-    """The flags a script's option cluster holds before option NAME ('-s ' of '-sp gpu-small'), which
+    """The flags an option cluster holds before option NAME ('-s' of '-sp gpu-small' or '-sG1'), which
     its rewrite keeps: only flags without a value can come before an option that takes one."""
     short = BY_NAME[name].short
     if text.startswith("--") or not short or not text.startswith("-") or text[1:2] == short:
@@ -131,7 +131,7 @@ def _flags_before(text: str, name: str) -> str:
     at = text.find(short, 1)
     if at < 0 or any(c not in BY_SHORT or BY_SHORT[c].arg is not Arg.NONE for c in text[1:at]):
         raise RewriteError(f"{name} is set inside the option cluster {text.split()[0]!r}; not rewritten")
-    return text[:at] + " "
+    return text[:at]
 
 
 def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, edits: _Edits) -> None:
@@ -151,15 +151,13 @@ def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, 
         assert req.script is not None
         d = [d for d in req.script.component_directives(comp.index) if d.name == name and d.line == origin.line][-1]
         kept = _flags_before(req.script.text[d.start:d.end], name)
-        edits.script.append((d.start, d.end, kept + m.option(name, value)))
+        edits.script.append((d.start, d.end, f"{kept} {m.option(name, value)}".lstrip()))
     elif origin.source == "env":
         edits.env[ENV_BY_OPTION[name]] = value
     else:
         assert origin.index is not None and origin.last is not None
-        word = req.cli_words[origin.index]
-        if not word.startswith("--") and not word.startswith("-" + (BY_NAME[name].short or "")):
-            raise RewriteError(f"{name} is set inside the option cluster {word!r}; not rewritten")
-        edits.cli[origin.index] = (origin.last, "--" + name + "=" + value)
+        kept = _flags_before(req.cli_words[origin.index], name)
+        edits.cli[origin.index] = (origin.last, [*([kept] if kept else []), "--" + name + "=" + value])
 
 
 def apply(req: JobRequest, decision: Decision) -> Submission:
@@ -190,7 +188,7 @@ def apply(req: JobRequest, decision: Decision) -> Submission:
     while i < len(req.cli_words):
         if i in edits.cli:
             last, new = edits.cli[i]
-            words.append(new)
+            words.extend(new)
             i = last + 1
             continue
         words.append(req.cli_words[i])
