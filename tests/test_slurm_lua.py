@@ -197,12 +197,16 @@ def test_hook_applies_decisions_in_either_slurm_spelling(lua: Path, sock: str, t
         job(tres_per_node="gres:gpu:a100:2"),  # fits: kept
         job(partition="gpu-small"),  # no GPUs: not asked
         {**MOVED, "script": None},  # not a batch job: not asked
-        {**MOVED, "environment": {"SLURMGPU_DECIDED": "1"}},  # gsbatch decided it: not asked
+        {**MOVED, "environment": {"SLURMGPU_DECIDED": "1"}},  # the user opted out: not asked
+        {**MOVED, "environment": {"SLURMGPU_DECIDED": str(int(time.time()))}},  # gsbatch decided it: not asked
+        # inherited from a job gsbatch decided an hour ago (a plain sbatch inside it): asked
+        {**MOVED, "environment": {"SLURMGPU_DECIDED": str(int(time.time()) - 3600)}},
     ]
     with daemon(sock, serve.Service(load_config(SAMPLE))):
         out, log = run_hook(lua, hook, jobs)
-        assert requests(sock) == 4
+        assert requests(sock) == 5
     assert all(o.rc == 0 for o in out)
+    assert out.pop().fields["partition"] == "gpu" and jobs.pop()  # the stale one was moved
     assert out[0].fields["partition"] == "gpu" and out[0].fields["tres_per_node"] == "gres:gpu:v100:1,gres:shard:1"
     assert out[1].fields["tres_per_task"] == "cpu=2,gres/gpu:v100=1"
     assert out[2].fields["tres_per_job"] == "gres:gpu:t4:2"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
@@ -527,7 +528,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
     words = tagged_words(words, p.get("tag"), len(inv.script_args) + (inv.script is not None))
     # Tells the site's job_submit.lua hook that this job was already decided.
-    child_env = {**env, **out.env_overrides, DECIDED_MARKER: "1"}
+    child_env = {**env, **out.env_overrides, DECIDED_MARKER: str(int(time.time()))}
     try:
         result = run_sbatch(backend, words, child_env, data)
     finally:

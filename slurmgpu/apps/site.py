@@ -19,8 +19,12 @@ if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its 
     from slurmgpu.slurm.backend import SlurmBackend
     from slurmgpu.slurm.partitions import PartitionRules
 
-# Tells the site's job_submit.lua hook that gsbatch already decided this job.
+# Tells the site's job_submit.lua hook that gsbatch already decided this job: gsbatch sets it to the
+# submission's Unix time, and the hook believes it within DECIDED_WINDOW_S of its own clock. The job
+# inherits the variable, so a plain sbatch inside it later (a chain, a resubmission) carries a stale
+# time and is decided by the hook; "1" is a user's explicit opt-out, believed always.
 DECIDED_MARKER = "SLURMGPU_DECIDED"
+DECIDED_WINDOW_S = 300
 
 
 def load_site(config_path: str | None, env: Mapping[str, str]) -> Config | None:

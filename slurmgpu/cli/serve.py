@@ -188,7 +188,7 @@ def lua_render(ctx: click.Context, out: str, socket_path: str, timeout_ms: int, 
     The site config's GPU types and partitions are written into the hook, which checks every
     answer of the daemon against them; render again when they change. Without a config the hook
     applies no answer."""
-    from slurmgpu.apps.site import DECIDED_MARKER
+    from slurmgpu.apps.site import DECIDED_MARKER, DECIDED_WINDOW_S
     from slurmgpu.pipeline.config import find_config, load_config
 
     root = ctx.find_root().obj
@@ -205,8 +205,9 @@ def lua_render(ctx: click.Context, out: str, socket_path: str, timeout_ms: int, 
     text = render("lua/job_submit.lua.j2", site=site, modes=modes, waivers=waivers,
                   enabled=str(not disabled).lower(), dry_run=str(dry_run).lower(),
                   socket=_check("--socket", socket_path), timeout_ms=timeout_ms, backoff_s=backoff_s,
-                  marker=DECIDED_MARKER, partitions=_names("--partitions", partitions),
-                  accounts=_names("--accounts", accounts), users=_names("--users", users))
+                  marker=DECIDED_MARKER, marker_window_s=DECIDED_WINDOW_S,
+                  partitions=_names("--partitions", partitions), accounts=_names("--accounts", accounts),
+                  users=_names("--users", users))
     _write(out, text)
 
 

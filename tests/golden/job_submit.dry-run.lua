@@ -12,7 +12,8 @@ local CONFIG = {
     socket = "/run/slurmgpu/slurmgpu.sock",
     timeout_ms = 150,
     backoff_s = 0,
-    marker = "SLURMGPU_DECIDED",  -- gsbatch sets <marker>=1 in the environment of jobs it decided
+    marker = "SLURMGPU_DECIDED",  -- gsbatch sets <marker>=<Unix time> in the environment of jobs it decided
+    marker_window_s = 300,  -- how far that time may lie from now (an inherited one is older)
     partitions = {["gpu"] = true, ["gpu-small"] = true},  -- empty: every partition
     accounts = {["proj-a"] = true, ["proj-b"] = true},    -- empty: every account
     users = {["ann"] = true, ["1001"] = true},       -- names or numeric uids; empty: everyone
@@ -370,8 +371,10 @@ end
 
 local function wanted(job_desc, part_list)
     if not CONFIG.enabled or job_desc.script == nil or not has_gpu(job_desc) then return false end
-    local env = job_desc.environment
-    if env and env[CONFIG.marker] == "1" then return false end
+    local mark = job_desc.environment and job_desc.environment[CONFIG.marker]
+    if mark == "1" then return false end  -- the user's own opt-out
+    local at = tonumber(mark)  -- gsbatch's: this submission's time, not a parent job's
+    if at and math.abs(os.time() - at) <= CONFIG.marker_window_s then return false end
     return in_scope(job_desc, part_list)
 end
 
