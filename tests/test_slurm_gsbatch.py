@@ -126,6 +126,25 @@ def test_same_output_and_exit_code_as_sbatch(tmp_path: Path, sample_config: Path
         assert ours.returncode == 1 and "invalid partition" in ours.stderr.lower()
 
 
+@pytest.mark.parametrize(("directive", "opts"), [
+    ("#SBATCH -t 5 stray", []),  # Invalid directive: sbatch exits 255
+    ("#SBATCH --gpus-per=1", []),  # ambiguous
+    ("#SBATCH -J", []),  # no argument
+    ("#SBATCH --time=1:00:00:00", []),
+    ("#SBATCH --mem=1.5G", []),
+    ("#SBATCH -N 1,2", []),
+    ("#SBATCH --gres=gpu:1", ["--mem=4G", "--mem-per-cpu=1G"]),  # exits 1
+    ("#SBATCH --gpus-per-socket=1", []),
+])
+def test_refused_input_exits_as_sbatch_does(tmp_path: Path, sample_config: Path, directive: str,
+                                            opts: list[str]) -> None:
+    p = script(tmp_path, "bad.sh", directive)
+    plain = run(["sbatch", "--test-only", *opts, str(p)], tmp_path, sample_config)
+    ours = run(["gsbatch", "--test-only", *opts, str(p)], tmp_path, sample_config)
+    assert plain.returncode != 0 and ours.returncode == plain.returncode, (plain.stderr, ours.stderr)
+    assert ours.stderr.startswith("gsbatch: error: ") and ours.stderr.count("\n") == 1, ours.stderr
+
+
 def test_refused_request_never_reaches_slurm(tmp_path: Path, sample_config: Path) -> None:
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
     res = run(["gsbatch", str(script(tmp_path, "huge.sh", "#SBATCH --gpus-per-node=a100:16"))], tmp_path, sample_config)

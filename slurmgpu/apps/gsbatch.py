@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except Exception as exc:  # noqa: BLE001 - any slurmgpu fault must not stop the job
         if isinstance(exc, InputError) and not isinstance(exc, ConfigError):
             _note(sys.stderr, "error", str(exc))  # the user's input: refused, as sbatch would
-            return 1
+            return exc.exit_code
         if dry:
             _note(sys.stderr, "error", f"slurmgpu failed: {_fault(exc)}")
             return 1

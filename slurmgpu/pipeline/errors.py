@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+# sbatch's exit status for input it refuses while reading its options (getopt errors, a stray word in
+# a directive, a malformed time, memory size or node count: exit(-1)); what the controller or its
+# GPU checks refuse exits 1 (measured with sbatch 22.05 on the local cluster).
+SBATCH_USAGE = 255
+
 
 class InputError(Exception):
     """Bad input: a file, line and option the user can go and fix."""
 
     def __init__(self, message: str, *, file: str | None = None, line: int | None = None,
-                 option: str | None = None) -> None:
+                 option: str | None = None, exit_code: int = 1) -> None:
         super().__init__(message)
         self.message = message
         self.file = file
         self.line = line
         self.option = option
+        self.exit_code = exit_code  # sbatch's for the same input: 1, or SBATCH_USAGE
 
     def located(self, *, file: str | None = None, line: int | None = None) -> InputError:
         """Return the same error with a location filled in where it had none."""
         return InputError(self.message, file=self.file or file, line=self.line or line,
-                          option=self.option)
+                          option=self.option, exit_code=self.exit_code)
 
     def __str__(self) -> str:
         where = ""

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
-from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
 from slurmgpu.pipeline.sbatch_options import ENV_OPTIONS, OptionError, split_options
 from slurmgpu.pipeline.script import BatchScript
 
@@ -324,7 +324,7 @@ def parse_time(value: str, option: str = "--time") -> int | None:
         return None
     m = _TIME_DHMS.match(value)
     if not m:
-        raise InputError(f"invalid time limit '{value}'", option=option)
+        raise InputError(f"invalid time limit '{value}'", option=option, exit_code=SBATCH_USAGE)
     days, a, b, c = m.groups()
     if days is not None:  # days-hours[:minutes[:seconds]]
         return int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
@@ -338,7 +338,7 @@ def parse_time(value: str, option: str = "--time") -> int | None:
 def parse_mem_mb(value: str, option: str) -> int:
     m = _MEM.match(value)
     if not m:
-        raise InputError(f"invalid memory size '{value}'", option=option)
+        raise InputError(f"invalid memory size '{value}'", option=option, exit_code=SBATCH_USAGE)
     number, unit = int(m.group(1)), m.group(2).upper()
     if unit == "K":
         return -(-number // 1024)  # sbatch rounds kilobytes up to whole megabytes
@@ -364,7 +364,7 @@ def _cli_options(words: Sequence[str]) -> tuple[list[OptionValue], list[str]]:
     try:
         parsed, _ = split_options(list(words))
     except OptionError as exc:
-        raise InputError(str(exc), option=exc.option) from None
+        raise InputError(str(exc), option=exc.option, exit_code=SBATCH_USAGE) from None
     values = [OptionValue(p.name, p.value, Origin("cli", index=p.first, last=p.last)) for p in parsed if p.known]
     unknown = [p.name for p in parsed if not p.known]
     return values, unknown
@@ -449,11 +449,12 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
     if (n := val("nodes")) is not None:
         m = _NODES.match(n)
         if not m or int(m.group(1)) == 0:
-            raise InputError(f"invalid node count '{n}'", option="--nodes")
+            raise InputError(f"invalid node count '{n}'", option="--nodes", exit_code=SBATCH_USAGE)
         nodes = int(m.group(1))
         nodes_max = int(m.group(2)) if m.group(2) else nodes
         if nodes_max < nodes:
-            raise InputError(f"invalid node count '{n}' (maximum below minimum)", option="--nodes")
+            raise InputError(f"invalid node count '{n}' (maximum below minimum)", option="--nodes",
+                             exit_code=SBATCH_USAGE)
 
     def pos(name: str) -> int | None:
         v = val(name)

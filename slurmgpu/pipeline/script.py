@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 
 MAGIC = "#SBATCH"
@@ -307,11 +307,12 @@ def _directives_of_line(words: list[Word], lineno: int, component: int, path: st
     try:
         options, operand = split_options([w.text for w in words])
     except OptionError as exc:
-        raise InputError(str(exc), file=path, line=lineno, option=exc.option) from None
+        raise InputError(str(exc), file=path, line=lineno, option=exc.option, exit_code=SBATCH_USAGE) from None
     found = [
         Directive(lineno, component, o.name, o.value, tuple(words[o.first : o.last + 1]), o.known)
         for o in options
     ]
     if operand < len(words):  # sbatch's own refusal of a stray word
-        raise InputError(f"Invalid directive found in batch script: {words[operand].text}", file=path, line=lineno)
+        raise InputError(f"Invalid directive found in batch script: {words[operand].text}", file=path, line=lineno,
+                         exit_code=SBATCH_USAGE)
     return found
