@@ -69,6 +69,9 @@ def test_hetjob_sums_components_and_cli_applies_to_each() -> None:
     ("#SBATCH -N 1 --tasks-per-node=2 --gpus-per-task=1\n", 2, {"": 2}, None),  # ntasks-per-node's other name
     ("#SBATCH -N 1 --tasks-per-node 2 --gpus-per-task=1\n", 2, {"": 2}, None),
     ("#SBATCH --ntasks-per-tres=2 -G 2\n", 2, {"": 2}, None),  # ntasks-per-gpu's other name
+    ("#SBATCH -B 1 --gpus-per-socket=1\n", 1, {"": 1}, None),  # -B's first field: sockets per node
+    ("#SBATCH -B 2 --gpus-per-socket=1 -N 1\n", 2, {"": 2}, None),
+    ("#SBATCH -B 2:1 --gpus-per-socket=a100:2\n", 4, {"a100": 4}, "a100"),
 ])
 def test_slurm_combination_rules(body: str, total: int, by_type: dict[str, int], gtype: str | None) -> None:
     r = req(body)

@@ -408,6 +408,13 @@ def build_request(
 
 # What later hetjob components take from component 0 when they do not say (seen with real
 # sbatch 22.05 and scontrol); partition, constraint and GPUs are not inherited.
+def _sockets_of(extra: str | None) -> int | None:
+    """Sockets per node from -B/--extra-node-info 'S[:C[:T]]' ('*' or a malformed field: not given;
+    sbatch itself refuses a malformed one)."""
+    first = (extra or "").split(":")[0]
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
 _MEMORY = ("mem", "mem-per-cpu", "mem-per-gpu")
 _INHERITED = (("time",), _MEMORY, ("account",), ("job-name",), ("qos",))
 
@@ -487,7 +494,7 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
         ntasks=pos("ntasks"),
         ntasks_per_node=pos("ntasks-per-node"),
         cpus_per_task=pos("cpus-per-task"),
-        sockets_per_node=pos("sockets-per-node"),
+        sockets_per_node=pos("sockets-per-node") or _sockets_of(val("extra-node-info")),
         mem_mb=mem("mem"),
         mem_per_cpu_mb=mem("mem-per-cpu"),
         mem_per_gpu_mb=mem("mem-per-gpu"),
