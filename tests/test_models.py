@@ -137,7 +137,7 @@ def test_per_task_request_is_only_offered_counts_it_can_say(trained, config) -> 
     from slurmgpu.pipeline.rewrite import apply
 
     text = script_for("resnet", 16, 1000, "a100").replace("--gres=gpu:a100:1", "--ntasks=2 --gpus-per-task=a100:2") \
-        .replace("python train.py", 'echo "GPUs: $CUDA_VISIBLE_DEVICES"\npython train.py')  # reads its GPUs
+        .replace("python train.py", "srun python train.py")  # each task on its share of GPUs
     request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
     d = ModelDecider(config, trained[0], lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann").decide(request)
     assert d.per_type and {c.gpus for c in d.per_type} == {2, 4}
