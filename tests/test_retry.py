@@ -147,8 +147,9 @@ def test_live_oom_job_is_requeued_once_onto_a_larger_card(tmp_path: Path) -> Non
         deadline = time.monotonic() + 60
         while True:  # sacct may show a just-finished job a moment late; the ingest is idempotent
             ingest.ingest_sacct(engine, "slurmgpu", since=started.replace(tzinfo=None))
-            with engine.connect() as conn:
-                states = dict(conn.execute(select(db.Job.job_id, db.Job.state).where(db.Job.job_id.in_(ids))).all())
+            with engine.connect() as conn:  # ended, and with the GPUs it had (retry needs both)
+                states = dict(conn.execute(select(db.Job.job_id, db.Job.state).where(
+                    db.Job.job_id.in_(ids), db.Job.gpu_type.is_not(None))).all())
             if all(states.get(j) == "FAILED" for j in ids) or time.monotonic() > deadline:
                 break
             time.sleep(1)
