@@ -511,10 +511,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         _change_notes(inv, out)
         return _show(inv, out)
     words, data, tmpdir = inv.sbatch_words(), out.stdin, None
-    read = p.get("script_data")
-    if out.changed or (inv.script is not None and isinstance(read, bytes) and is_stream(inv.script)):
-        data = out.script_text.encode("utf-8", "surrogateescape") if out.script_text is not None \
-            else read if not out.changed else None
+    read = p.get("script_data")  # a piped script kept as written: the bytes read, which sbatch would not find
+    piped = read if not out.changed and isinstance(read, bytes) and inv.script is not None \
+        and is_stream(inv.script) else None
+    if out.changed or piped is not None:
+        data = piped if piped is not None else \
+            out.script_text.encode("utf-8", "surrogateescape") if out.script_text is not None else None
         if inv.script is None:
             words, data = inv.sbatch_words(out.cli_words), data if out.stdin is not None else None
         else:

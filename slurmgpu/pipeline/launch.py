@@ -25,6 +25,7 @@ import shlex
 from typing import TYPE_CHECKING, NamedTuple
 
 from slurmgpu.pipeline.features import command_lines
+from slurmgpu.pipeline.sbatch_options import BY_SHORT, Arg, OptionError, lookup_long
 
 if TYPE_CHECKING:
     from slurmgpu.pipeline.request import JobRequest
@@ -34,7 +35,7 @@ _LAUNCHER = re.compile(
     r"(?:^|(?<=[\s;&|(`'\"]))(?P<name>torchrun|python3?\s+-m\s+torch\.distributed\.(?:run|launch)"
     r"|accelerate\s+launch|python3?\s+-m\s+accelerate\.commands\.launch|deepspeed|mpirun|mpiexec|horovodrun|srun)"
     r"(?=\s|$)")
-# Each launcher's process-count options; None: it has no count of its own there.
+# Each launcher's process-count options.
 _COUNT_OPTIONS: dict[str, tuple[str, ...]] = {
     "torchrun": ("--nproc_per_node", "--nproc-per-node"),
     "accelerate": ("--num_processes", "--num-processes"),
@@ -64,6 +65,9 @@ class LaunchNeed(NamedTuple):
 
     min_gpus: int | None
     why: str
+
+
+_KEEP = LaunchNeed(None, "the script does not show that it adapts to another GPU count; only the GPU type may change")
 
 
 def _lines(script: str) -> list[str]:
@@ -124,8 +128,6 @@ def _options(kind: str, words: list[str]) -> list[str] | None:
 
 def _takes_value(word: str) -> bool:
     """Whether srun's option ``word`` (sbatch's table: srun shares it) takes the next word as its value."""
-    from slurmgpu.pipeline.sbatch_options import BY_SHORT, Arg, OptionError, lookup_long
-
     try:
         spec = lookup_long(word[2:]) if word.startswith("--") else BY_SHORT.get(word[-1:]) if len(word) == 2 else None
     except OptionError:
@@ -174,7 +176,7 @@ def _read(line: str, variables: dict[str, int | None], per_task: bool) -> tuple[
         if len(launches) > 1:
             # a launcher under srun: tasks times its count; only one that adapts, under srun per task
             outer = _launch_count("srun", line[launches[0].end():launches[-1].start()], variables) \
-                if _kind(launches[0].group("name")) == "srun" else (None, "")
+                if launches[0].group("name") == "srun" else (None, "")
             adapts = got is not None and got[0] == FOLLOWS and outer is None and per_task
             return ("follows", 0, "") if adapts else ("unknown", 0, "")
         if got is None:
@@ -213,8 +215,7 @@ def launch_need(script: str, per_task: bool = False) -> LaunchNeed:
         what, n, written = _read(line, variables, per_task)
         found.setdefault(what, []).append((n, written))
     if "unknown" in found:
-        return LaunchNeed(None, "the script does not show that it adapts to another GPU count; only the GPU "
-                                "type may change")
+        return _KEEP
     if "fixed" in found:
         n, written = max(found["fixed"])
         return LaunchNeed(n, f"the script starts {n} processes ({written}): at least {n} GPUs")
@@ -222,8 +223,7 @@ def launch_need(script: str, per_task: bool = False) -> LaunchNeed:
         return LaunchNeed(1, "the script reads the GPUs Slurm gives it")
     if "tasks" in found:
         return LaunchNeed(1, "srun starts the job's tasks, each on its GPUs per task")
-    return LaunchNeed(None, "the script does not show that it adapts to another GPU count; only the GPU type "
-                            "may change")
+    return _KEEP
 
 
 def request_launch_need(request: JobRequest) -> LaunchNeed:

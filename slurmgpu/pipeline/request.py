@@ -406,8 +406,6 @@ def build_request(
     return JobRequest(script, tuple(components), tuple(cli_options), env, tuple(dict.fromkeys(unknown)))
 
 
-# What later hetjob components take from component 0 when they do not say (seen with real
-# sbatch 22.05 and scontrol); partition, constraint and GPUs are not inherited.
 def _sockets_of(extra: str | None) -> int | None:
     """Sockets per node from -B/--extra-node-info 'S[:C[:T]]' ('*' or a malformed field: not given;
     sbatch itself refuses a malformed one)."""
@@ -416,6 +414,8 @@ def _sockets_of(extra: str | None) -> int | None:
 
 
 _MEMORY = ("mem", "mem-per-cpu", "mem-per-gpu")
+# What later hetjob components take from component 0 when they do not say (seen with real
+# sbatch 22.05 and scontrol); partition, constraint and GPUs are not inherited.
 _INHERITED = (("time",), _MEMORY, ("account",), ("job-name",), ("qos",))
 
 
