@@ -119,7 +119,7 @@ def test_rewrite_blocker(body: str, blocked: bool) -> None:
     ("#SBATCH --gpus-per-socket=1\n", "--gpus-per-socket option requires --sockets-per-node", 2),
     ("#SBATCH --mem=4G --mem-per-cpu=1G\n", "mutually exclusive", 2),
     ("#SBATCH --time=soon\n", "invalid time limit", 2),
-    ("#SBATCH --nodes=0\n", "invalid node count", 2),
+    ("#SBATCH --nodes=two\n", "invalid node count", 2),  # -N 0 is accepted (sbatch 22.05)
 ])
 def test_bad_values_name_file_line_and_option(body: str, fragment: str, line: int) -> None:
     with pytest.raises(InputError) as err:

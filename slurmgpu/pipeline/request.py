@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
+from slurmgpu.pipeline import wrapper
 from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
 from slurmgpu.pipeline.sbatch_options import ENV_OPTIONS, OptionError, split_options
 from slurmgpu.pipeline.script import BatchScript
@@ -39,22 +40,28 @@ KNOWN_GPU_FEATURES = frozenset(
 )
 
 _COUNT = re.compile(r"^\d+$")
+# A GPU count may carry a binary suffix, as Slurm's gres parser reads it: gpu:1k is 1024 GPUs.
+_GPU_COUNT = re.compile(r"^(\d+)([kmg]?)$", re.IGNORECASE)
 _TIME_DHMS = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_DAYS_ONLY = re.compile(r"^(\d+)-$")  # '1-': a day (time_str2mins reads the missing hours as 0)
 _MEM = re.compile(r"^(\d+)([KMGT]?)B?$", re.IGNORECASE)
-_NODES = re.compile(r"^(\d+)(?:-(\d+))?$")
+# -N MIN[-MAX], each with an optional k/m suffix (get_resource_arg_range); 0 nodes is accepted.
+_NODES = re.compile(r"^(\d+)([km]?)(?:-(\d+)([km]?))?$", re.IGNORECASE)
+_SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
 
 
 class Origin(NamedTuple):
     """Where an effective option value came from."""
 
-    source: Literal["script", "env", "cli"]
+    source: Literal["script", "env", "cli", "wrapper"]  # wrapper: a #PBS/#BSUB line sbatch translates
     line: int | None = None  # script line
     variable: str | None = None  # environment variable
     index: int | None = None  # type: ignore[assignment]  # field name shadows tuple.index; kept for the JSON schema (first command-line word)
     last: int | None = None  # last command-line word (the value, when it was a word of its own)
+    span: tuple[int, int] | None = None  # wrapper: the script text of the word that spells the value
 
     def describe(self, path: str) -> str:
-        if self.source == "script":
+        if self.source in ("script", "wrapper"):
             return f"{path}:{self.line}"
         if self.source == "env":
             return f"environment {self.variable}"
@@ -160,6 +167,11 @@ class ComponentRequest(NamedTuple):
         """Why a changed GPU type or count could not be written back without changing what else
         Slurm reads from the request (None: one option with one entry, which a rewrite replaces)."""
         asks = self.gpus
+        if self.nodes_set and self.nodes == 0:
+            return "-N 0: Slurm records no GPUs for a job of no nodes"
+        derived = next((g for g in asks if g.origin.source == "wrapper" and g.origin.span is None), None)
+        if derived is not None:
+            return f"GPUs derived from a resource list on line {derived.origin.line} (#PBS -l)"
         if not asks:
             return "GPUs implied by --ntasks-per-gpu" if self.gpus_total else None
         if len({g.option for g in asks}) > 1:
@@ -265,9 +277,10 @@ class JobRequest(NamedTuple):
 def parse_count(text: str, option: str) -> int:
     if text.startswith("-") and text[1:].isdigit():
         raise InputError(f"negative GPU count '{text}'", option=option)
-    if not _COUNT.match(text):
+    m = _GPU_COUNT.match(text)
+    if not m:
         raise InputError(f"malformed count '{text}' (expected a whole number)", option=option)
-    return int(text)
+    return int(m.group(1)) * _SUFFIX[m.group(2).lower()]
 
 
 def parse_gres(value: str, option: str = "--gres") -> tuple[list[tuple[str | None, int]], list[str]]:
@@ -288,7 +301,7 @@ def parse_gres(value: str, option: str = "--gres") -> tuple[list[tuple[str | Non
             gpus.append((None, 1))
         elif len(parts) == 2:
             tail = parts[1]
-            if _COUNT.match(tail) or (tail.startswith("-") and tail[1:].isdigit()):
+            if _GPU_COUNT.match(tail) or (tail.startswith("-") and tail[1:].isdigit()):
                 gpus.append((None, parse_count(tail, option)))
             elif tail:
                 gpus.append((tail, 1))
@@ -307,7 +320,7 @@ def parse_gpus(value: str, option: str) -> list[tuple[str | None, int]]:
     out: list[tuple[str | None, int]] = []
     for item in value.split(","):
         parts = item.split(":")
-        if len(parts) == 1 and parts[0] and not (_COUNT.match(parts[0]) or parts[0].startswith("-")):
+        if len(parts) == 1 and parts[0] and not (_GPU_COUNT.match(parts[0]) or parts[0].startswith("-")):
             out.append((parts[0], 1))
         elif len(parts) == 1 and parts[0]:
             out.append((None, parse_count(parts[0], option)))
@@ -322,6 +335,8 @@ def parse_time(value: str, option: str = "--time") -> int | None:
     """Slurm time limit to seconds; None for UNLIMITED/INFINITE."""
     if value.upper() in ("UNLIMITED", "INFINITE", "-1"):
         return None
+    if days_only := _DAYS_ONLY.match(value):
+        return int(days_only.group(1)) * 86400
     m = _TIME_DHMS.match(value)
     if not m:
         raise InputError(f"invalid time limit '{value}'", option=option, exit_code=SBATCH_USAGE)
@@ -387,6 +402,8 @@ def build_request(
     features = KNOWN_GPU_FEATURES | {f.lower() for f in gpu_features}
     ncomp = script.components if script else 1
     components: list[ComponentRequest] = []
+    ignore_wrapper = script is None or wrapper.ignored({o.name: o for o in (*cli, *(
+        OptionValue(d.name, d.value, Origin("script")) for d in script.directives))}, env)
     for index in range(ncomp):
         merged: dict[str, OptionValue] = {}
         if script:
@@ -395,6 +412,11 @@ def build_request(
                     merged[d.name] = OptionValue(d.name, d.value, Origin("script", line=d.line))
                 else:
                     unknown.append(d.name)
+        if script and not ignore_wrapper:  # after the directives, before the environment; every component
+            state = {k: v.value for k, v in merged.items()}
+            for w in wrapper.translate(script, state):
+                span = (w.words[0].start, w.words[0].end) if w.words else None
+                merged[w.name] = OptionValue(w.name, w.value, Origin("wrapper", line=w.line, span=span))
         for ov in (*env_values, *cli):
             merged[ov.name] = ov
         if components:
@@ -406,11 +428,12 @@ def build_request(
     return JobRequest(script, tuple(components), tuple(cli_options), env, tuple(dict.fromkeys(unknown)))
 
 
-def _sockets_of(extra: str | None) -> int | None:
-    """Sockets per node from -B/--extra-node-info 'S[:C[:T]]' ('*' or a malformed field: not given;
-    sbatch itself refuses a malformed one)."""
-    first = (extra or "").split(":")[0]
-    return int(first) if first.isdigit() and int(first) > 0 else None
+def _extra_field(extra: str | None, field: int) -> int | None:
+    """Sockets per node (0), cores per socket (1) or threads per core (2) from -B/--extra-node-info
+    'S[:C[:T]]' ('*' or a malformed field: not given; sbatch itself refuses a malformed one)."""
+    fields = (extra or "").split(":")
+    text = fields[field] if field < len(fields) else ""
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 _MEMORY = ("mem", "mem-per-cpu", "mem-per-gpu")
@@ -455,10 +478,10 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
     nodes, nodes_max = 1, None
     if (n := val("nodes")) is not None:
         m = _NODES.match(n)
-        if not m or int(m.group(1)) == 0:
+        if not m:
             raise InputError(f"invalid node count '{n}'", option="--nodes", exit_code=SBATCH_USAGE)
-        nodes = int(m.group(1))
-        nodes_max = int(m.group(2)) if m.group(2) else nodes
+        nodes = int(m.group(1)) * _SUFFIX[m.group(2).lower()]
+        nodes_max = int(m.group(3)) * _SUFFIX[m.group(4).lower()] if m.group(3) else nodes
         if nodes_max < nodes:
             raise InputError(f"invalid node count '{n}' (maximum below minimum)", option="--nodes",
                              exit_code=SBATCH_USAGE)
@@ -494,7 +517,7 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
         ntasks=pos("ntasks"),
         ntasks_per_node=pos("ntasks-per-node"),
         cpus_per_task=pos("cpus-per-task"),
-        sockets_per_node=pos("sockets-per-node") or _sockets_of(val("extra-node-info")),
+        sockets_per_node=pos("sockets-per-node") or _extra_field(val("extra-node-info"), 0),
         mem_mb=mem("mem"),
         mem_per_cpu_mb=mem("mem-per-cpu"),
         mem_per_gpu_mb=mem("mem-per-gpu"),
@@ -557,7 +580,9 @@ def _submitted_job(comp: ComponentRequest) -> _Job:
     if comp.ntasks_per_node and ntasks is None and (max_nodes == 0 or min_nodes == max_nodes):
         ntasks = min_nodes * comp.ntasks_per_node
     if comp.nodes_set and (min_nodes == max_nodes or max_nodes == 0) and ntasks is None:
-        per_node = [n for n in (comp.sockets_per_node, lenient("cores-per-socket"), lenient("threads-per-core")) if n]
+        extra = comp.options["extra-node-info"].value if "extra-node-info" in comp.options else None
+        per_node = [n for n in (comp.sockets_per_node, lenient("cores-per-socket") or _extra_field(extra, 1),
+                                lenient("threads-per-core") or _extra_field(extra, 2)) if n]
         if per_node:  # one task per socket, core or thread unless told
             ntasks = math.prod(per_node, start=max(min_nodes, 1))
     elif comp.nodes_set and ntasks is not None:
@@ -695,7 +720,8 @@ def _check_units(rec: _Record, job: _Job) -> None:
 def tally_gpus(comp: ComponentRequest) -> GpuTally:
     """The component's GPUs as Slurm 22.05 counts them, with the node, task and socket counts it
     derives; raises InputError where sbatch or slurmctld would refuse the combination."""
-    if not comp.gpus and "ntasks-per-gpu" not in comp.options:
+    if (not comp.gpus and "ntasks-per-gpu" not in comp.options) or (comp.nodes_set and comp.nodes == 0):
+        # measured: with -N 0 (or 0-N) Slurm's TRES holds no GPUs, whatever the GPU options say
         return GpuTally(nodes=comp.nodes, tasks=comp.ntasks, sockets_per_node=comp.sockets_per_node)
     if "ntasks-per-gpu" in comp.options:  # sbatch's own check (slurm_opt.c, _validate_ntasks_per_gpu)
         for name in ("gpus-per-task", "gpus-per-socket", "ntasks-per-node"):

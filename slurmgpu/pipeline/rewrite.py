@@ -141,23 +141,44 @@ def _set_option(req: JobRequest, comp: ComponentRequest, name: str, value: str, 
         if req.script is None:
             edits.cli_prepend.append(m.option(name, value))
             return
-        # Not set anywhere: a new directive after the component's last one (or the shebang).
-        lines = [d.line for d in req.script.component_directives(comp.index)]
-        if not lines and comp.index > 0:  # after the shebang it would be the first component's
+        # Not set anywhere: a new directive after the line of the component's last directive word (a value
+        # may stand on the line after its option's) or after the shebang.
+        ends = [d.end for d in req.script.component_directives(comp.index)]
+        if not ends and comp.index > 0:  # after the shebang it would be the first component's
             raise RewriteError(f"component {comp.index} has no directive line to add --{name} after; not rewritten")
-        at = req.script.line_end(max(lines) if lines else 1)
+        newline = req.script.text.find("\n", max(ends)) if ends else -1
+        at = newline + 1 if newline >= 0 else req.script.line_end(len(req.script.line_starts) if ends else 1)
         edits.script.append((at, at, m.directive(name, value) + "\n"))
     elif origin.source == "script":
         assert req.script is not None
         d = [d for d in req.script.component_directives(comp.index) if d.name == name and d.line == origin.line][-1]
         kept = _flags_before(req.script.text[d.start:d.end], name)
         edits.script.append((d.start, d.end, f"{kept} {m.option(name, value)}".lstrip()))
+    elif origin.source == "wrapper":
+        edits.script.append(_wrapper_edit(req, name, value, origin, comp.options[name].value or ""))
     elif origin.source == "env":
         edits.env[ENV_BY_OPTION[name]] = value
     else:
         assert origin.index is not None and origin.last is not None
         kept = _flags_before(req.cli_words[origin.index], name)
         edits.cli[origin.index] = (origin.last, [*([kept] if kept else []), "--" + name + "=" + value])
+
+
+def _wrapper_edit(req: JobRequest, name: str, value: str, origin: Origin, old: str) -> tuple[int, int, str]:
+    """A new value in the #PBS/#BSUB word that spells the old one (``-q gpu-small``, ``-qgpu-small``,
+    ``--destination=gpu-small``): sbatch reads that line after every #SBATCH line, so only there
+    does a change take effect."""
+    assert req.script is not None
+    if origin.span is None:
+        raise RewriteError(f"--{name} is derived from line {origin.line}'s resource list; not rewritten")
+    if req.is_hetjob:
+        raise RewriteError(f"line {origin.line} sets --{name} for every hetjob component; not rewritten")
+    start, end = origin.span
+    raw = req.script.text[start:end]
+    prefix = raw[: len(raw) - len(old)]
+    if not old or not raw.endswith(old) or (prefix and not prefix.startswith("-")):
+        raise RewriteError(f"--{name} on line {origin.line} is quoted or escaped; not rewritten")
+    return start, end, prefix + sbatch_quote(value)
 
 
 def apply(req: JobRequest, decision: Decision) -> Submission:

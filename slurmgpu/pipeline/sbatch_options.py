@@ -149,6 +149,21 @@ ALIASES: dict[str, str] = {"cluster": "clusters", "tasks-per-node": "ntasks-per-
                            "ntasks-per-tres": "ntasks-per-gpu"}
 BY_SHORT: dict[str, OptionSpec] = {s.short: s for s in SPECS if s.short}
 
+
+class OptionTable(NamedTuple):
+    """One getopt_long table: sbatch's own, or the #PBS/#BSUB ones sbatch translates with."""
+
+    by_name: dict[str, OptionSpec]
+    by_short: dict[str, OptionSpec]
+    aliases: dict[str, str]
+
+    @classmethod
+    def of(cls, specs: tuple[OptionSpec, ...], aliases: dict[str, str] | None = None) -> OptionTable:
+        return cls({s.name: s for s in specs}, {s.short: s for s in specs if s.short}, aliases or {})
+
+
+SBATCH = OptionTable(BY_NAME, BY_SHORT, ALIASES)
+
 # Input environment variables that sbatch reads as if they were options (man sbatch,
 # "INPUT ENVIRONMENT VARIABLES"); only those that shape the resource request matter here.
 ENV_OPTIONS: dict[str, str] = {
@@ -167,6 +182,7 @@ ENV_OPTIONS: dict[str, str] = {
     "SBATCH_MEM_PER_NODE": "mem",
     "SBATCH_PARTITION": "partition",
     "SBATCH_QOS": "qos",
+    "SBATCH_THREADS_PER_CORE": "threads-per-core",  # one task per thread with -N and no -n
     "SBATCH_TIMELIMIT": "time",
 }
 ENV_BY_OPTION: dict[str, str] = {v: k for k, v in ENV_OPTIONS.items()}
@@ -180,14 +196,15 @@ class OptionError(ValueError):
         self.option = option
 
 
-def lookup_long(word: str) -> OptionSpec | None:
+def lookup_long(word: str, table: OptionTable = SBATCH) -> OptionSpec | None:
     """Resolve a long option name or unambiguous prefix, as getopt_long does."""
-    exact = BY_NAME.get(ALIASES.get(word, word))
+    by_name, aliases = table.by_name, table.aliases
+    exact = by_name.get(aliases.get(word, word))
     if exact is not None:
         return exact
-    named = [n for n in (*BY_NAME, *ALIASES) if n.startswith(word)]
+    named = [n for n in (*by_name, *aliases) if n.startswith(word)]
     # getopt_long: prefixes of two names of one option are not ambiguous
-    matches = list(dict.fromkeys(BY_NAME[ALIASES.get(n, n)] for n in named))
+    matches = list(dict.fromkeys(by_name[aliases.get(n, n)] for n in named))
     if len(matches) > 1:
         names = ", ".join("--" + n for n in named)
         raise OptionError("--" + word, f"option '--{word}' is ambiguous; possibilities: {names}")
@@ -204,7 +221,7 @@ class ParsedOption(NamedTuple):
     known: bool = True
 
 
-def split_options(words: list[str]) -> tuple[list[ParsedOption], int]:
+def split_options(words: list[str], table: OptionTable = SBATCH) -> tuple[list[ParsedOption], int]:
     """Split sbatch-style words into options; return them and the index of the first operand.
 
     Stops at the first non-option word (the script), at ``--``, or at a lone ``:`` (the
@@ -221,7 +238,7 @@ def split_options(words: list[str]) -> tuple[list[ParsedOption], int]:
         if word.startswith("--"):
             body = word[2:]
             name, eq, attached = body.partition("=")
-            spec = lookup_long(name)
+            spec = lookup_long(name, table)
             if spec is None:
                 out.append(ParsedOption(word.split("=", 1)[0], attached if eq else None, i, i, known=False))
                 i += 1
@@ -242,7 +259,7 @@ def split_options(words: list[str]) -> tuple[list[ParsedOption], int]:
         # A cluster of short options: -HN2 is -H -N 2.
         j = 1
         while j < len(word):
-            spec = BY_SHORT.get(word[j])
+            spec = table.by_short.get(word[j])
             if spec is None:
                 out.append(ParsedOption("-" + word[j], None, i, i, known=False))
                 j += 1

@@ -4,7 +4,9 @@ sbatch only honours ``#SBATCH`` at the very start of a line, and only until the 
 that is neither blank nor a comment; each directive line is split into words with sbatch's own
 quoting rules (quotes group, backslash escapes, an unquoted ``#`` starts a comment). A line
 whose first word is ``hetjob`` (or the older ``packjob``) starts the next heterogeneous
-component, and nothing else on that line is read.
+component, and nothing else on that line is read. A component's directive words are one argv to
+sbatch, so an option's value may stand on the next ``#SBATCH`` line. ``#PBS``/``#BSUB`` lines are
+kept for ``pipeline.wrapper``, which translates them as sbatch does.
 Every word keeps its character span, so a rewrite can replace exactly the words it must.
 """
 
@@ -27,6 +29,11 @@ LEGACY_KEEP = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
 _LOOKS_LIKE_DIRECTIVE = re.compile(r"^[ \t]*#+[ \t]*sbatch", re.IGNORECASE)
 _HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)  # as a line's first word
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace(), not Unicode's
+# Other schedulers' directives that sbatch translates (src/sbatch/xlate.c), in the order it tries them:
+# only the first kind found is read, from anywhere in the script until more than 100 lines that do
+# not start with '#' have passed (the first command does not stop it). --ignore-pbs skips both.
+WRAPPERS = ("#BSUB", "#PBS")
+_WRAPPER_LINES = 100
 
 # sbatch's own words for scripts it refuses (src/sbatch/sbatch.c).
 NOT_A_SCRIPT = ("This does not look like a batch script.  The first line must start with #! "
@@ -83,6 +90,8 @@ class BatchScript(NamedTuple):
     gsbatch_options: tuple[str, ...] = ()  # from #GSBATCH lines (option names; values below)
     legacy_keep: bool = False  # a '#SLURMGPU keep' line
     gpu_mem: tuple[str, int] | None = None  # '#GSBATCH --gpu-mem=SIZE': (SIZE as written, line); the last wins
+    wrapper: str | None = None  # '#BSUB' or '#PBS': the one kind of foreign directive sbatch translates
+    wrapper_lines: tuple[tuple[int, int, int], ...] = ()  # its lines: (line, offset after the magic, line end)
 
     @property
     def keep_marker(self) -> bool:
@@ -200,12 +209,21 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
     gs_values: dict[str, tuple[str, int]] = {}
     component = 0
     first_command: int | None = None
+    pending: list[tuple[int, Word]] = []  # one component's directive words: sbatch reads them as one argv
+    wrappers: dict[str, list[tuple[int, int, int]]] = {WRAPPERS[0]: [], WRAPPERS[1]: []}
+    non_comments = 0
     for idx, begin in enumerate(starts):
         lineno = idx + 1
         end = starts[idx + 1] - 1 if idx + 1 < len(starts) else len(text)
         if end > begin and text[end - 1] == "\n":
             end -= 1
         line = text[begin:end]
+        if non_comments <= _WRAPPER_LINES:  # sbatch's #PBS/#BSUB reader (src/sbatch/xlate.c)
+            magic = next((m for m in WRAPPERS if line.startswith(m)), None)
+            if magic:
+                wrappers[magic].append((lineno, begin + len(magic), end))
+            elif not line.startswith("#"):
+                non_comments += 1
         if lineno == 1:
             continue  # the shebang
         if line.startswith(MAGIC):
@@ -214,9 +232,11 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
                 continue
             words = tokenize(text, begin + len(MAGIC), end, path, lineno)
             if words and _HETJOB.fullmatch(words[0].text):
+                directives.extend(_directives_of(pending, component, path))
+                pending = []
                 component += 1  # sbatch reads nothing else on a separator line
                 continue
-            directives.extend(_directives_of_line(words, lineno, component, path))
+            pending.extend((lineno, w) for w in words)
             continue
         if line.startswith(GS_MAGIC):
             gs_options.extend(_gsbatch_options(text, begin, end, path, lineno, first_command, ignored, gs_values))
@@ -230,6 +250,8 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
             why = (f"after the first command (line {first_command})" if first_command is not None
                    else "not at the start of the line or not spelled #SBATCH exactly")
             ignored.append(IgnoredDirective(lineno, line, why))
+    directives.extend(_directives_of(pending, component, path))
+    wrapper = next((m for m in WRAPPERS if wrappers[m]), None)
     first_line_end = starts[1] - 1 if len(starts) > 1 else len(text)
     return BatchScript(
         path=path,
@@ -243,6 +265,8 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
         gsbatch_options=tuple(dict.fromkeys(gs_options)),
         legacy_keep=bool(LEGACY_KEEP.search(text)),
         gpu_mem=gs_values.get(GPU_MEM),
+        wrapper=wrapper,
+        wrapper_lines=tuple(wrappers[wrapper]) if wrapper else (),
     )
 
 
@@ -303,16 +327,21 @@ def parse_gpu_mem(value: str | None) -> float:
     return gib
 
 
-def _directives_of_line(words: list[Word], lineno: int, component: int, path: str) -> list[Directive]:
+def _directives_of(words: list[tuple[int, Word]], component: int, path: str) -> list[Directive]:
+    """One component's options. sbatch hands all of a component's directive words to getopt as one
+    argv, so an option's value may stand on the next ``#SBATCH`` line (``#SBATCH --time`` then
+    ``#SBATCH 10``); a directive keeps the line of its first word."""
     try:
-        options, operand = split_options([w.text for w in words])
+        options, operand = split_options([w.text for _, w in words])
     except OptionError as exc:
-        raise InputError(str(exc), file=path, line=lineno, option=exc.option, exit_code=SBATCH_USAGE) from None
+        line = words[-1][0] if words else None  # getopt runs out of words at the component's end
+        raise InputError(str(exc), file=path, line=line, option=exc.option, exit_code=SBATCH_USAGE) from None
     found = [
-        Directive(lineno, component, o.name, o.value, tuple(words[o.first : o.last + 1]), o.known)
+        Directive(words[o.first][0], component, o.name, o.value, tuple(w for _, w in words[o.first : o.last + 1]),
+                  o.known)
         for o in options
     ]
     if operand < len(words):  # sbatch's own refusal of a stray word
-        raise InputError(f"Invalid directive found in batch script: {words[operand].text}", file=path, line=lineno,
-                         exit_code=SBATCH_USAGE)
+        raise InputError(f"Invalid directive found in batch script: {words[operand][1].text}", file=path,
+                         line=words[operand][0], exit_code=SBATCH_USAGE)
     return found
