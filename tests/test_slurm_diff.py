@@ -96,11 +96,15 @@ class Opt(NamedTuple):
 
 
 class Case(NamedTuple):
-    """A batch script's directives per heterogeneous component, command-line options and environment."""
+    """A batch script's directives per heterogeneous component, command-line options and environment;
+    ``lines`` are script lines written as they stand after the directives (#PBS lines, a value on
+    a line of its own), ``variables`` other environment variables."""
 
     components: tuple[tuple[Opt, ...], ...]
     cli: tuple[Opt, ...] = ()
     env: tuple[Opt, ...] = ()
+    lines: tuple[str, ...] = ()
+    variables: tuple[tuple[str, str], ...] = ()
 
     def script(self) -> str:
         lines = ["#!/bin/bash"]
@@ -108,13 +112,13 @@ class Case(NamedTuple):
             if i:
                 lines.append("#SBATCH hetjob")
             lines.extend("#SBATCH " + " ".join(shlex.quote(w) for w in o.words()) for o in comp)
-        return "\n".join([*lines, "true", ""])
+        return "\n".join([*lines, *self.lines, "true", ""])
 
     def cli_words(self) -> list[str]:
         return [w for o in self.cli for w in o.words()]
 
     def environment(self) -> dict[str, str]:
-        return {ENV_VARS[o.name]: o.value for o in self.env}
+        return {**{ENV_VARS[o.name]: o.value for o in self.env}, **dict(self.variables)}
 
     def __str__(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.environment().items())
@@ -242,6 +246,11 @@ class Submitted(NamedTuple):
         return self.code == 0 and bool(self.jobs)
 
 
+def default_partition() -> str:
+    out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return next(p.rstrip("*") for p in out.split() if p.endswith("*"))
+
+
 def scontrol_jobs(job_id: str) -> tuple[Job, ...]:
     out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
                          timeout=30, check=True).stdout
@@ -267,12 +276,15 @@ class Runner:
         self.spool = workdir / "spool"
         self.spool.mkdir(exist_ok=True)
         self.created: list[str] = []
+        self.default_partition = default_partition()
 
     def base_env(self) -> dict[str, str]:
         return {"PATH": "/usr/bin:/bin", "HOME": str(self.workdir), "LANG": "C.UTF-8"}
 
     def gsbatch_env(self) -> dict[str, str]:
-        return {**self.base_env(), "SLURMGPU_CONFIG": str(CONFIG_PATH), "SLURMGPU_SUBMISSION_SPOOL": str(self.spool),
+        # PYTHONPATH: gsbatch runs this checkout's code, whichever checkout the venv was installed from
+        return {**self.base_env(), "PYTHONPATH": str(ROOT), "SLURMGPU_CONFIG": str(CONFIG_PATH),
+                "SLURMGPU_SUBMISSION_SPOOL": str(self.spool),
                 "SLURMGPU_SOCKET": str(self.workdir / "no-daemon.sock"), "XDG_CACHE_HOME": str(self.workdir / "cache")}
 
     def submit(self, argv: list[str], env: Mapping[str, str]) -> Submitted:
@@ -330,7 +342,7 @@ def check_case(case: Case, runner: Runner, config: Config) -> list[str]:
         before = set(jobs_named(name))  # a refused hetjob can leave a cancelled component record
         keep = runner.submit([str(GSBATCH), "--no-rewrite", *hold, *case.cli_words(), name], gs_env)
         if plain.accepted:
-            problems += _compare_parse(plain, parsed)
+            problems += _compare_parse(plain, parsed, runner.default_partition)
             if not keep.accepted:
                 problems.append(f"gsbatch --no-rewrite refused what sbatch accepts: {keep.stderr.strip()}")
             elif [j.same_request() for j in keep.jobs] != [j.same_request() for j in plain.jobs]:
@@ -346,7 +358,7 @@ def check_case(case: Case, runner: Runner, config: Config) -> list[str]:
     return problems
 
 
-def _compare_parse(plain: Submitted, parsed: dict[str, Any] | str) -> list[str]:
+def _compare_parse(plain: Submitted, parsed: dict[str, Any] | str, default: str) -> list[str]:
     if isinstance(parsed, str):
         return [f"slurmgpu refuses what sbatch accepts: {parsed}"]
     problems = []
@@ -359,6 +371,9 @@ def _compare_parse(plain: Submitted, parsed: dict[str, Any] | str) -> list[str]:
         if comp["gpus_total"] != sum(want.values()) or got != want:
             problems.append(f"component {comp['index']}: parse says {comp['gpus_total']} GPUs {got}, "
                             f"Slurm TRES {job.tres!r}")
+        if "," not in (comp["partition"] or "") and (comp["partition"] or default) != job.fields.get("Partition"):
+            problems.append(f"component {comp['index']}: parse says partition {comp['partition'] or default}, "
+                            f"Slurm {job.fields.get('Partition')}")
     want_total = sum(sum(j.gpus.values()) for j in plain.jobs)
     if parsed["gpus_total"] != want_total:
         problems.append(f"parse says {parsed['gpus_total']} GPUs in all, Slurm {want_total}")
@@ -428,8 +443,10 @@ def test_slurm_and_slurmgpu_agree(case: Case, runner: Runner, config: Config) ->
     assert not problems, f"{case}\n" + "\n".join(problems)
 
 
-def _case(*script: str, cli: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Case:
-    """A hand-written case: script directives (a lone 'hetjob' separates components), cli words, env."""
+def _case(*script: str, cli: Sequence[str] = (), env: Mapping[str, str] | None = None,
+          lines: Sequence[str] = (), variables: Mapping[str, str] | None = None) -> Case:
+    """A hand-written case: script directives (a lone 'hetjob' separates components), cli words, env,
+    raw script lines after the directives and other environment variables."""
     comps: list[list[Opt]] = [[]]
     for word in script:
         if word == "hetjob":
@@ -440,7 +457,7 @@ def _case(*script: str, cli: Sequence[str] = (), env: Mapping[str, str] | None =
     cli_opts = tuple(Opt(w.lstrip("-").partition("=")[0], w.partition("=")[2], "cli") for w in cli)
     names = {v: k for k, v in ENV_VARS.items()}
     env_opts = tuple(Opt(names[k], v, "env") for k, v in (env or {}).items())
-    return Case(tuple(tuple(c) for c in comps), cli_opts, env_opts)
+    return Case(tuple(tuple(c) for c in comps), cli_opts, env_opts, tuple(lines), tuple((variables or {}).items()))
 
 
 # The disagreements issue 12 measured, and those this harness found; each one stays checked.
@@ -482,6 +499,48 @@ KNOWN = {
         "--ntasks=1", "hetjob", "--gres=gpu:1", cli=["--gpus-per-node=1"], env={"SBATCH_CONSTRAINT": "v100"}),
     "untyped gres with a GPU constraint: made typed": _case("--gres=gpu:2", "--constraint=v100"),
     "typed request in a partition without the type: moved": _case("--gpus-per-task=t4:1", "--ntasks=2"),
+    # issue 27: #PBS lines, which sbatch translates after the #SBATCH ones
+    "#PBS -q beats #SBATCH -p": _case("--gres=gpu:a100:1", "--partition=gpu", lines=["#PBS -q gpu-small"]),
+    "#PBS -q alone: moved where the type is": _case("--gres=gpu:a100:1", lines=["#PBS -q gpu-small"]),
+    "#PBS -q attached, a t4 request: stays": _case("--gres=gpu:t4:1", lines=["#PBS -qgpu-small"]),
+    "#PBS --destination after the first command": _case("--gres=gpu:a100:1",
+                                                        lines=["echo hi", "#PBS --destination=gpu-small"]),
+    "#PBS -q under -p on the command line": _case("--gres=gpu:a100:1", cli=["--partition=debug"],
+                                                  lines=["#PBS -q gpu-small"]),
+    "#PBS -q under SBATCH_PARTITION": _case("--gres=gpu:a100:1", env={"SBATCH_PARTITION": "debug"},
+                                            lines=["#PBS -q gpu-small"]),
+    "#PBS skipped with --ignore-pbs": _case("--gres=gpu:a100:1", cli=["--ignore-pbs"], lines=["#PBS -q gpu-small"]),
+    "#PBS skipped with SBATCH_IGNORE_PBS": _case("--gres=gpu:a100:1", lines=["#PBS -q gpu-small"],
+                                                 variables={"SBATCH_IGNORE_PBS": "1"}),
+    "#PBS read with SBATCH_IGNORE_PBS=0": _case("--gres=gpu:a100:1", lines=["#PBS -q gpu-small"],
+                                                variables={"SBATCH_IGNORE_PBS": "0"}),
+    "#PBS after 101 commands: not read": _case("--gres=gpu:a100:1", lines=[*["true"] * 101, "#PBS -q gpu-small"]),
+    "#PBS after 100 commands: read": _case("--gres=gpu:a100:1", lines=[*["true"] * 100, "#PBS -q gpu-small"]),
+    "#BSUB first: #PBS skipped": _case("--gres=gpu:a100:1", lines=["#BSUB -q debug", "#PBS -q gpu-small"]),
+    "#PBS -l nodes with gpus and ppn": _case(lines=["#PBS -l nodes=2:ppn=2:gpus=1"]),
+    "#PBS -l gpus replaces #SBATCH --gpus-per-node": _case("--gpus-per-node=a100:1", lines=["#PBS -l nodes=1:gpus=2"]),
+    "#PBS -l naccelerators joins #SBATCH --gres": _case("--gres=gpu:1", lines=["#PBS -l naccelerators=2"]),
+    "#PBS -l naccelerators with a typed gres: sbatch refuses": _case("--gres=gpu:a100:1",
+                                                                     lines=["#PBS -l naccelerators=2"]),
+    "#PBS -l select, ncpus, mpiprocs": _case(lines=["#PBS -l select=2:ncpus=2:mpiprocs=2"]),
+    "#PBS unknown option: sbatch refuses": _case("--gres=gpu:1", lines=["#PBS -Y"]),
+    "#PBS stray word: sbatch refuses": _case("--gres=gpu:1", lines=["#PBS foo -q gpu-small"]),
+    "#PBS value on its own line": _case("--gres=gpu:a100:1", lines=["#PBS -q", "#PBS gpu-small"]),
+    "#PBS in a hetjob: every component": _case("--ntasks=1", "hetjob", "--gres=gpu:t4:1",
+                                               lines=["#PBS -q gpu-small"]),
+    # issue 27: what sbatch 22.05 accepts
+    "time of a day and a dash": _case("--gres=gpu:1", "--time=1-"),
+    "no nodes: no GPUs in the TRES": _case("--nodes=0", "--gres=gpu:1"),
+    "no nodes with tasks": _case("--nodes=0", "--ntasks=2", "--gpus-per-task=1"),
+    "value on the next #SBATCH line": _case("--gres=gpu:a100:1", lines=["#SBATCH --partition", "#SBATCH gpu-small"]),
+    "k suffix on a gres count": _case("--gres=gpu:1k"),
+    "k suffix on a typed gres count": _case("--gres=gpu:a100:1K"),
+    "k suffix on --gpus": _case("--gpus=1k"),
+    "k suffix on the node count": _case("--nodes=1k", "--gpus-per-node=1"),
+    "k suffix on the task count: sbatch refuses": _case("--ntasks=1k", "--gres=gpu:1"),
+    "-B cores and threads make the tasks": _case("--nodes=1", "--extra-node-info=1:2:2", "--gpus-per-task=1"),
+    "SBATCH_THREADS_PER_CORE makes the tasks": _case("--nodes=1", "--extra-node-info=1:2", "--gpus-per-task=1",
+                                                     variables={"SBATCH_THREADS_PER_CORE": "2"}),
 }
 
 
