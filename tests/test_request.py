@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.request import build_request, parse_time
+from slurmgpu.pipeline.request import JobRequest, build_request, parse_time
 from slurmgpu.pipeline.script import parse_script
 
 
@@ -134,3 +134,52 @@ def test_bad_values_name_file_line_and_option(body: str, fragment: str, line: in
 ])
 def test_time_formats(text: str, seconds: int | None) -> None:
     assert parse_time(text) == seconds
+
+
+def _job(body: str, cli: list[str] | None = None, env: dict[str, str] | None = None) -> JobRequest:
+    return build_request(parse_script(("#!/bin/bash\n" + body + "true\n").encode(), "job.sh"), cli or [], env or {})
+
+
+@pytest.mark.parametrize(("body", "field", "want"), [
+    ("#SBATCH -p gpu\n#PBS -q gpu-small\n", "partition", "gpu-small"),  # #PBS after #SBATCH
+    ("#PBS -q gpu-small\n#SBATCH -p gpu\n", "partition", "gpu-small"),
+    ("echo x\n#PBS -q gpu-small\n", "partition", "gpu-small"),  # read past the first command
+    ("true\n" * 101 + "#PBS -q gpu-small\n", "partition", None),  # not past 100 other lines
+    ("#BSUB -q debug\n#PBS -q gpu-small\n", "partition", "debug"),  # one kind only, #BSUB first
+    ("#PBS -N pbs -l walltime=1:00:00,mem=2gb\n", "time_limit_s", 3600),
+    ("#PBS -l nodes=2:ppn=3:gpus=1\n", "gpus_total", 2),
+    ("#SBATCH --gres=gpu:1\n#PBS -l naccelerators=2\n", "gpus_total", 2),
+    ("#SBATCH --time=1-\n", "time_limit_s", 86400),
+    ("#SBATCH --gres=gpu:1k\n", "gpus_total", 1024),
+    ("#SBATCH -N 0 --gres=gpu:1\n", "gpus_total", 0),
+    ("#SBATCH -N 1k\n", "nodes", 1024),
+    ("#SBATCH -p\n#SBATCH gpu-small\n", "partition", "gpu-small"),
+])
+def test_read_as_sbatch_reads(body: str, field: str, want: object) -> None:
+    assert _job(body).to_json()[field] == want
+
+
+def test_pbs_under_the_environment_and_command_line_and_ignored_on_request() -> None:
+    body = "#PBS -q gpu-small\n"
+    assert _job(body, ["-p", "debug"]).main.partition == "debug"
+    assert _job(body, env={"SBATCH_PARTITION": "debug"}).main.partition == "debug"
+    assert _job(body, ["--ignore-pbs"]).main.partition is None
+    assert _job("#SBATCH --ignore-pbs\n" + body).main.partition is None
+    assert _job(body, env={"SBATCH_IGNORE_PBS": "1"}).main.partition is None
+    assert _job(body, env={"SBATCH_IGNORE_PBS": "0"}).main.partition == "gpu-small"
+
+
+def test_b_and_threads_per_core_make_the_task_count() -> None:
+    assert _job("#SBATCH -N 1 -B 1:2:2 --gpus-per-task=1\n").gpus_total == 4
+    assert _job("#SBATCH -N 1 -B 1:2 --gpus-per-task=1\n", env={"SBATCH_THREADS_PER_CORE": "2"}).gpus_total == 4
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ("#PBS -Y\n", "invalid option"),
+    ("#PBS foo -q gpu\n", "Invalid argument: foo"),
+    ("#PBS -q\n", "requires an argument"),
+])
+def test_pbs_refusals_name_the_line(body: str, fragment: str) -> None:
+    with pytest.raises(InputError) as err:
+        _job(body)
+    assert fragment in str(err.value) and "job.sh:2" in str(err.value) and err.value.exit_code == 1

@@ -276,3 +276,32 @@ def test_a_line_after_a_final_carriage_return_is_not_written() -> None:
     request = build_request(parse_script(b"#!/bin/bash\n#SBATCH --gres=gpu:t4:1\r", "job.sh"))
     with pytest.raises(RewriteError, match="carriage return"):
         apply(request, Decision((ComponentChange(0, None, None, "gpu-small"),), ("r",)))
+
+
+@pytest.mark.parametrize(("line", "now"), [
+    ("#PBS -q gpu-small", "#PBS -q gpu"),
+    ("#PBS -qgpu-small -N x", "#PBS -qgpu -N x"),
+    ("#PBS --destination=gpu-small", "#PBS --destination=gpu"),
+])
+def test_a_pbs_queue_is_changed_where_sbatch_reads_it(line: str, now: str) -> None:
+    """sbatch reads #PBS lines after #SBATCH ones, so a partition a #PBS -q sets is changed on that line."""
+    data = f"#!/bin/bash\n#SBATCH --gres=gpu:a100:1\n#SBATCH -p debug\n{line}\nsrun x\n".encode()
+    req = build_request(parse_script(data, "job.sh"))
+    assert req.main.partition == "gpu-small"
+    out = apply(req, Decision((ComponentChange(0, None, None, "gpu"),), ("r",)))
+    assert out.script_text is not None and now + "\n" in out.script_text
+    assert "#SBATCH -p debug\n" in out.script_text and "--partition" not in out.script_text
+
+
+def test_gpus_from_a_pbs_resource_list_are_not_rewritten() -> None:
+    data = b"#!/bin/bash\n#PBS -l nodes=1:ppn=2:gpus=2\nsrun x\n"
+    req = build_request(parse_script(data, "job.sh"))
+    assert req.main.gpus_total == 2 and "resource list on line 2" in (req.main.rewrite_blocker or "")
+
+
+def test_a_new_directive_goes_after_a_value_on_the_next_line() -> None:
+    data = b"#!/bin/bash\n#SBATCH --gres=gpu:a100:1 --time\n#SBATCH 10\nsrun x\n"
+    out = apply(build_request(parse_script(data, "job.sh")), Decision((ComponentChange(0, None, None, "gpu"),), ("r",)))
+    assert out.script_text is not None
+    assert out.script_text.endswith("--time\n#SBATCH 10\n#SBATCH --partition=gpu\nsrun x\n")
+    assert build_request(parse_script(out.script_text.encode(), "job.sh")).main.time_limit_s == 600
