@@ -306,8 +306,14 @@ class Runner:
 
 
 @pytest.fixture(scope="module")
-def config() -> Config:
-    return load_config(CONFIG_PATH)
+def config() -> Iterator[Config]:
+    """The sample config; options are read in-process as the running sbatch reads them (as gsbatch does)."""
+    from slurmgpu.pipeline.sbatch_options import release_of, use_slurm_version
+
+    version = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, check=False).stdout
+    use_slurm_version(release_of(version))
+    yield load_config(CONFIG_PATH)
+    use_slurm_version(None)
 
 
 @pytest.fixture(scope="module")
@@ -541,6 +547,10 @@ KNOWN = {
     "-B cores and threads make the tasks": _case("--nodes=1", "--extra-node-info=1:2:2", "--gpus-per-task=1"),
     "SBATCH_THREADS_PER_CORE makes the tasks": _case("--nodes=1", "--extra-node-info=1:2", "--gpus-per-task=1",
                                                      variables={"SBATCH_THREADS_PER_CORE": "2"}),
+    # A prefix unambiguous in the running version only: -B in 22.05, ambiguous with --extra in 24.11.
+    "a long option's prefix as the running sbatch reads it": _case("--ext=1", "--gres=gpu:1"),
+    "a prefix on the command line as the running sbatch reads it": _case("--gres=gpu:1", cli=["--ext=1"]),
+    "a prefix of an option the running sbatch lacks or shares": _case("--gres=gpu:1", "--tres-p=gres/gpu:1"),
 }
 
 

@@ -468,6 +468,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ if env is None else env)
     backend = backend or CliBackend()
+    _use_running_slurm(backend, env)
     try:
         inv = parse_invocation(argv)
     except Exception as exc:  # noqa: BLE001 - a fault of ours: sbatch gets the words as typed
@@ -539,6 +540,18 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if "--test-only" not in inv.options:
         record(config, env, inv, p, result)
     return result.code
+
+
+def _use_running_slurm(backend: SlurmBackend, env: Mapping[str, str]) -> None:
+    """Read options as the sbatch that will run does: a long option's prefix resolves against
+    that version's table (``--ext`` is -B in 22.05, ambiguous in 24.11, which adds --extra)."""
+    from slurmgpu.apps.site import cached_slurm_version
+    from slurmgpu.pipeline.sbatch_options import use_slurm_version
+
+    try:
+        use_slurm_version(cached_slurm_version(env, getattr(backend, "sinfo", "sinfo")))
+    except Exception:  # noqa: BLE001 - unknown version: the union of the tables reads every option
+        use_slurm_version(None)
 
 
 def _account(user: str | None) -> str | None:

@@ -223,3 +223,33 @@ def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 1
             return None
         _keep_cache(path, json.dumps(ledger.free))
     return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=age)
+
+
+def cached_slurm_version(env: Mapping[str, str], sinfo: str = "sinfo") -> tuple[int, int] | None:
+    """The (major, minor) of the Slurm client tools gsbatch runs, from a per-user cache keyed by
+    sinfo's identity (it changes only with an upgrade, so ``sinfo --version`` is forked once per
+    install, not per submission; sbatch itself is not asked, a wrapper of it could submit); None
+    when it cannot be told (options are then read by the union of the versions' tables)."""
+    import shutil
+    import subprocess
+
+    from slurmgpu.pipeline.sbatch_options import release_of
+
+    found = shutil.which(sinfo, path=env.get("PATH"))
+    if found is None:
+        return None
+    try:
+        st = os.stat(found)
+    except OSError:
+        return None
+    key = f"{found}\t{st.st_ino}\t{st.st_mtime_ns}\t{st.st_size}"
+    path, text, _ = _fresh_cache(env, "slurm-version.txt", 30 * 86400.0)
+    if text is None or text.split("\n")[0] != key:
+        try:
+            out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=5, check=False,
+                                 stdin=subprocess.DEVNULL).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        text = f"{key}\n{out.strip()}"
+        _keep_cache(path, text)
+    return release_of(text.split("\n", 1)[-1])

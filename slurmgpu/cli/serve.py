@@ -136,7 +136,8 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     from slurmgpu.apps import serve, serve_socket
     from slurmgpu.apps.site import model_path
     from slurmgpu.pipeline.queue import GpuLedger
-    from slurmgpu.slurm.backend import CliBackend
+    from slurmgpu.pipeline.sbatch_options import release_of, use_slurm_version
+    from slurmgpu.slurm.backend import CliBackend, SlurmError
     from slurmgpu.slurm.partitions import read_partitions
 
     try:
@@ -151,6 +152,10 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     try:
         access = serve_socket.access_for(group, slurm_user, run_as)
         backend = CliBackend()
+        try:  # requests' options are read as this Slurm's sbatch reads them
+            use_slurm_version(release_of(backend.version()))
+        except SlurmError:
+            use_slurm_version(None)
         # The hook's decisions are recorded in the site's submission spool (lineage), when there is one.
         spool = os.environ.get("SLURMGPU_SUBMISSION_SPOOL") or config.site.submission_spool
         service = serve.Service(config, model or model_path(config, os.environ), backend.free_gpus, reload_s,

@@ -27,11 +27,13 @@ _REQ = Arg.REQUIRED
 _OPT = Arg.OPTIONAL
 _NO = Arg.NONE
 
-# From `man sbatch` of Slurm 22.05 and 24.11 (the union: an option only one version knows is
-# still split correctly, and sbatch itself reports it if the running version does not).
+# sbatch's options in Slurm 22.05 and 24.11 (slurm_opt.c's common_options with an sbatch setter),
+# the union; ``table_for`` drops those the running version lacks, since a prefix unambiguous in one
+# version may be ambiguous in the other (``--res``: reservation, or also resv-ports in 24.11).
 SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("account", _REQ, "A"),
     OptionSpec("acctg-freq", _REQ),
+    OptionSpec("autocomplete", _REQ),
     OptionSpec("array", _REQ, "a"),
     OptionSpec("batch", _REQ),
     OptionSpec("bb", _REQ),
@@ -122,6 +124,7 @@ SPECS: tuple[OptionSpec, ...] = (
     OptionSpec("signal", _REQ),
     OptionSpec("sockets-per-node", _REQ),
     OptionSpec("spread-job", _NO),
+    OptionSpec("stepmgr", _NO),
     OptionSpec("switches", _REQ),
     OptionSpec("test-only", _NO),
     OptionSpec("thread-spec", _REQ),
@@ -164,6 +167,38 @@ class OptionTable(NamedTuple):
 
 SBATCH = OptionTable(BY_NAME, BY_SHORT, ALIASES)
 
+# Options only one of the two versions has (the tables of slurm-22-05-8-1 and slurm-24-11-5-1).
+ONLY_22_05 = frozenset({"power"})
+ONLY_24_11 = frozenset({"autocomplete", "container-id", "extra", "oom-kill-step", "resv-ports", "segment", "stepmgr",
+                        "tres-bind", "tres-per-task"})
+
+
+def table_for(version: tuple[int, int] | None) -> OptionTable:
+    """sbatch's table in this Slurm version: 22.05's up to 22.05, 24.11's from 24.11 on, else
+    (unknown, or a release between the two) the union, which reads every option either knows."""
+    if version is None or (22, 5) < version < (24, 11):
+        return SBATCH
+    drop = ONLY_24_11 if version <= (22, 5) else ONLY_22_05
+    return OptionTable.of(tuple(s for s in SPECS if s.name not in drop), ALIASES)
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    """(major, minor) from what ``sbatch --version`` or ``sinfo --version`` print ('slurm-wlm 22.05.8')."""
+    import re
+
+    m = re.search(r"(\d+)\.(\d+)\.\d+", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+_active = SBATCH
+
+
+def use_slurm_version(version: tuple[int, int] | None) -> None:
+    """Split every later option list as this Slurm version's sbatch does (gsbatch and the daemon
+    call it once, for the Slurm they submit to)."""
+    global _active
+    _active = table_for(version)
+
 # Input environment variables that sbatch reads as if they were options (man sbatch,
 # "INPUT ENVIRONMENT VARIABLES"); only those that shape the resource request matter here.
 ENV_OPTIONS: dict[str, str] = {
@@ -196,8 +231,10 @@ class OptionError(ValueError):
         self.option = option
 
 
-def lookup_long(word: str, table: OptionTable = SBATCH) -> OptionSpec | None:
-    """Resolve a long option name or unambiguous prefix, as getopt_long does."""
+def lookup_long(word: str, table: OptionTable | None = None) -> OptionSpec | None:
+    """Resolve a long option name or unambiguous prefix, as getopt_long does (in ``table``, else
+    the running Slurm's sbatch table)."""
+    table = table or _active
     by_name, aliases = table.by_name, table.aliases
     exact = by_name.get(aliases.get(word, word))
     if exact is not None:
@@ -221,12 +258,13 @@ class ParsedOption(NamedTuple):
     known: bool = True
 
 
-def split_options(words: list[str], table: OptionTable = SBATCH) -> tuple[list[ParsedOption], int]:
+def split_options(words: list[str], table: OptionTable | None = None) -> tuple[list[ParsedOption], int]:
     """Split sbatch-style words into options; return them and the index of the first operand.
 
     Stops at the first non-option word (the script), at ``--``, or at a lone ``:`` (the
     heterogeneous-job separator), like sbatch's getopt with a leading ``+``.
     """
+    table = table or _active
     out: list[ParsedOption] = []
     i = 0
     while i < len(words):
