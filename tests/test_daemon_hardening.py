@@ -114,3 +114,110 @@ def test_gsbatch_spends_one_deadline_on_the_daemon_in_all(sock: str, tmp_path: P
     assert len(accepted) == 1  # the plan; no time was left to ask for the decision
     assert took < 1.8, f"{took:.2f} s for a 1 s budget"
     assert len(backend.calls) == 1 and "--gres=gpu:a100:1" in backend.calls[0]["content"].decode()
+
+
+# --- connections: per-user limits, slots for slurmctld, an idle timeout blank lines do not reset ---
+
+HOLD = r"""
+import json, select, socket, sys, time
+conns = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    try:
+        s.sendall(b"\n")  # a blank line: not a request
+    except BrokenPipeError:  # refused, answered and hung up on already
+        pass
+    conns.append(s)
+time.sleep(0.5)  # a refused connection has its one-line answer by now
+outcome = []
+for s in conns:
+    s.setblocking(False)
+    try:
+        outcome.append(json.loads(s.recv(4096) or "null"))
+    except BlockingIOError:
+        outcome.append("open")
+print(json.dumps(outcome), flush=True)
+select.select([sys.stdin], [], [], 20)  # held until the test closes our stdin (20 s at most)
+"""
+
+
+@contextmanager
+def connections_of(user: str, path: str, count: int) -> Iterator[list]:
+    """``count`` connections opened by ``user`` (a process running as that uid), each sending one
+    blank line; yields each one's fate: "open", or the daemon's one-line refusal."""
+    import json
+    import pwd
+    import subprocess
+
+    pw = pwd.getpwnam(user)
+    proc = subprocess.Popen(["/usr/bin/python3", "-I", "-c", HOLD, path, str(count)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, user=pw.pw_uid, group=pw.pw_gid, extra_groups=[])
+    try:
+        assert proc.stdout is not None
+        yield json.loads(proc.stdout.readline())
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def test_one_user_cannot_take_the_connections_slurmctld_needs(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """515 idle connections of one user used to leave slurmctld's hook (a trusted peer) 'busy';
+    now one uid holds at most MAX_PER_USER, and TRUSTED_RESERVE slots are kept for trusted peers."""
+    import pwd
+
+    from test_serve import daemon
+
+    from slurmgpu.apps import serve, serve_socket
+    from slurmgpu.pipeline.config import load_config
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as two users")
+    monkeypatch.setattr(serve_socket, "MAX_CLIENTS", 12)
+    monkeypatch.setattr(serve_socket, "TRUSTED_RESERVE", 4)
+    monkeypatch.setattr(serve_socket, "MAX_PER_USER", 5)
+    users = ("sguser", "nobody")
+    access = serve_socket.Access(frozenset({0, *(pwd.getpwnam(u).pw_uid for u in users)}))
+    with daemon(sock, serve.Service(load_config(SAMPLE)), access, mode=0o666) as server:
+        with connections_of("sguser", sock, 7) as first, connections_of("nobody", sock, 5) as second:
+            assert first[:5] == ["open"] * 5
+            uid = pwd.getpwnam("sguser").pw_uid
+            assert first[5:] == [{"ok": False, "error": f"busy: too many connections from uid {uid} (at most 5)"}] * 2
+            assert second == ["open"] * 3 + [{"ok": False, "error": "busy: too many connections"}] * 2  # 8 in all
+            for _ in range(4):  # root (slurmctld's hook) still gets every reserved slot
+                reply = daemon_client.call(sock, {"op": "health"})
+                assert reply is not None and reply["ok"], reply
+        t0 = time.monotonic()
+        while server.open and time.monotonic() - t0 < 5:  # the daemon reads their ends of file
+            time.sleep(0.05)
+        with connections_of("sguser", sock, 5) as again:  # what is closed is counted out
+            assert again == ["open"] * 5
+
+
+def test_blank_lines_do_not_keep_a_connection_open(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that only sends blank lines is closed once IDLE_TIMEOUT_S has passed since it
+    connected (each line used to reset the clock, so it was held forever)."""
+    from test_serve import daemon
+
+    from slurmgpu.apps import serve, serve_socket
+    from slurmgpu.pipeline.config import load_config
+
+    monkeypatch.setattr(serve_socket, "IDLE_TIMEOUT_S", 1.0)
+    with daemon(sock, serve.Service(load_config(SAMPLE))), socket.socket(socket.AF_UNIX) as s:
+        s.connect(sock)
+        s.sendall(b'{"op": "health"}\n')
+        assert b'"ok":true' in s.recv(65536)
+        t0 = time.monotonic()
+        s.settimeout(0.1)
+        closed = False
+        while not closed and time.monotonic() - t0 < 6.0:
+            try:
+                s.sendall(b"\n")
+                closed = s.recv(4096) == b""
+            except TimeoutError:
+                pass
+            except OSError:  # reset: closed as well
+                closed = True
+        assert closed, "still open after 6 s of blank lines with a 1 s idle timeout"
+        assert time.monotonic() - t0 >= 0.9

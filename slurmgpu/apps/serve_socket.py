@@ -18,7 +18,7 @@ import stat
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -27,11 +27,13 @@ from slurmgpu.apps.daemon_client import MAX_REQUEST_BYTES, call
 from slurmgpu.apps.serve import Peer, Service
 from slurmgpu.pipeline.errors import InputError
 
-IDLE_TIMEOUT_S = 60.0  # a connection with nothing to say is closed after this long
+IDLE_TIMEOUT_S = 60.0  # a connection that asks nothing is closed after this long (blank lines are not asking)
 READ_TIMEOUT_S = 5.0  # a request line must arrive whole within this long of its first byte
 INLINE_BYTES = 8192  # lines up to this size are answered in the I/O thread (a typical script)
 WORKERS = 4  # larger lines are answered by these threads, so none of them stalls the others
 MAX_CLIENTS = 512
+TRUSTED_RESERVE = 64  # of MAX_CLIENTS, for trusted peers only (slurmctld's hook, root): others never get them
+MAX_PER_USER = 64  # connections one untrusted uid may hold open (a gsbatch holds one, for milliseconds)
 log = logging.getLogger("slurmgpu.apps.serve")
 
 class Access(NamedTuple):
@@ -65,11 +67,14 @@ class _Client:
     """One connection's unread input and unsent output; ``busy`` while a worker answers its
     current line (its next line waits, so replies keep the order of the requests)."""
 
-    __slots__ = ("sock", "inbox", "outbox", "seen", "closing", "peer", "busy", "eof", "events", "line_since")
+    __slots__ = ("sock", "inbox", "outbox", "seen", "closing", "peer", "busy", "eof", "events", "line_since",
+                 "admitted")
 
     def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock, self.inbox, self.outbox = sock, bytearray(), bytearray()
+        # seen: when it connected, last asked something (a blank line is not asking) or was answered
         self.seen, self.closing, self.peer, self.busy, self.eof = time.monotonic(), False, peer, False, False
+        self.admitted = False  # counted in Server.open (a refused one is only answered and closed)
         self.events = 0  # what the selector listens for on this socket (0: not registered)
         self.line_since: float | None = None  # when the unfinished line's first byte came
 
@@ -84,8 +89,10 @@ class Server:
     answered in the I/O thread. A longer one goes to a worker, so a client sending a large
     script cannot hold up anyone's health check or decision; no line may exceed
     ``MAX_REQUEST_BYTES`` and a line must arrive whole within ``READ_TIMEOUT_S`` (one slow
-    client holds only its own connection). The socket file is made private first, then given
-    its group and mode.
+    client holds only its own connection). Connections are limited per untrusted uid
+    (``MAX_PER_USER``) and ``TRUSTED_RESERVE`` of them are kept for trusted peers, so no user can
+    take the slots slurmctld's hook needs; one that asks nothing for ``IDLE_TIMEOUT_S`` is closed.
+    The socket file is made private first, then given its group and mode.
     """
 
     def __init__(self, path: str, service: Service, access: Access, mode: int = 0o660) -> None:
@@ -93,6 +100,7 @@ class Server:
         self.inode: int | None = None  # of the socket file this server made; only that one is removed
         self.stopping = threading.Event()
         self.clients: dict[socket.socket, _Client] = {}
+        self.open: Counter[int] = Counter()  # admitted connections per uid
         self.selector = selectors.DefaultSelector()
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="slurmgpu-serve")
         self.done: deque[tuple[_Client, dict[str, Any]]] = deque()  # workers' replies, for the I/O thread
@@ -148,7 +156,7 @@ class Server:
             if client.line_since is not None and now - client.line_since > READ_TIMEOUT_S:
                 self._send(client, {"ok": False, "error": f"request not complete within {READ_TIMEOUT_S:g} s"},
                            last=True)
-            elif client.seen < now - IDLE_TIMEOUT_S and not client.outbox:
+            elif client.seen < now - IDLE_TIMEOUT_S:  # with unsent replies too: it is not reading them
                 self._close(client)
 
     def shutdown(self) -> None:
@@ -180,12 +188,26 @@ class Server:
         client = _Client(sock, Peer(pid, uid, gid, uid in self.access.trusted))
         self.clients[sock] = client
         self._want(client, selectors.EVENT_READ)
-        if not self.access.allows(uid, gid):
-            log.warning("refused a connection from uid %d (not root, SlurmUser or in the socket's group)", uid)
-            self._send(client, {"ok": False, "error": "permission denied"}, last=True)
-        elif len(self.clients) > MAX_CLIENTS:
-            log.warning("refused a connection from uid %d: %d connections open", uid, MAX_CLIENTS)
-            self._send(client, {"ok": False, "error": "busy: too many connections"}, last=True)
+        refusal = self._refusal(client.peer)
+        if refusal is None:
+            client.admitted = True
+            self.open[uid] += 1
+        else:
+            log.warning("refused a connection from uid %d: %s", uid, refusal)
+            self._send(client, {"ok": False, "error": refusal}, last=True)
+
+    def _refusal(self, peer: Peer) -> str | None:
+        """Why a new connection from this peer is refused (None: it is served)."""
+        if not self.access.allows(peer.uid, peer.gid):
+            return "permission denied"  # not root, SlurmUser, the daemon's own user or in the socket's group
+        total = self.open.total()
+        if peer.trusted:
+            return "busy: too many connections" if total >= MAX_CLIENTS else None
+        if self.open[peer.uid] >= MAX_PER_USER:
+            return f"busy: too many connections from uid {peer.uid} (at most {MAX_PER_USER})"
+        if total - sum(self.open[uid] for uid in self.access.trusted) >= MAX_CLIENTS - TRUSTED_RESERVE:
+            return "busy: too many connections"
+        return None
 
     def _read(self, client: _Client) -> None:
         try:
@@ -194,7 +216,6 @@ class Server:
             return
         except OSError:
             data = b""
-        client.seen = time.monotonic()
         if client.closing:  # answered for the last time: what else it sends is dropped
             return
         if not data:
@@ -214,6 +235,7 @@ class Server:
             client.line_since = None
             if not line.strip():
                 continue
+            client.seen = time.monotonic()
             if len(line) <= INLINE_BYTES:
                 self._send(client, self.service.handle(line, client.peer))
             else:
@@ -254,7 +276,7 @@ class Server:
             pass
         while self.done:
             client, reply = self.done.popleft()
-            client.busy = False
+            client.busy, client.seen = False, time.monotonic()
             if client.sock in self.clients:
                 client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
                 self._next_lines(client)
@@ -299,6 +321,10 @@ class Server:
         if self.clients.pop(client.sock, None) is not None:
             self._want(client, 0)
             client.sock.close()
+            if client.admitted:
+                self.open[client.peer.uid] -= 1
+                if not self.open[client.peer.uid]:
+                    del self.open[client.peer.uid]
 
 
 def prepare_socket_path(path: str) -> None:
