@@ -221,3 +221,128 @@ def test_blank_lines_do_not_keep_a_connection_open(sock: str, monkeypatch: pytes
                 closed = True
         assert closed, "still open after 6 s of blank lines with a 1 s idle timeout"
         assert time.monotonic() - t0 >= 0.9
+
+
+# --- one request's CPU cannot starve the others' answers ------------------------------------------
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Spend about ``seconds`` in one regular expression, which never lets go of the GIL while it
+    backtracks (as the launch reading's did on a 242 KB script): quadratic, so sized by a probe."""
+    import re
+
+    pattern = re.compile(r"a.*b")
+    probe = 4000
+    t0 = time.perf_counter()
+    pattern.search("a" * probe)
+    spent = max(time.perf_counter() - t0, 1e-6)
+    pattern.search("a" * int(probe * (seconds / spent) ** 0.5))
+
+
+@pytest.fixture
+def slow_large_lines(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Service.handle spends ~1.5 s holding the GIL on every line longer than INLINE_BYTES."""
+    from slurmgpu.apps import serve, serve_socket
+
+    handle = serve.Service.handle
+
+    def slow(self: serve.Service, line: bytes, peer: serve.Peer | None = None) -> dict:
+        if len(line) > serve_socket.INLINE_BYTES:
+            hold_the_gil(1.5)
+        return handle(self, line, peer)
+
+    monkeypatch.setattr(serve.Service, "handle", slow)
+    return 1.5
+
+
+def large_decide() -> bytes:
+    import json
+
+    script = "#!/bin/bash\n" + "# padding\n" * 3000 + "srun x\n"  # ~30 KiB: beyond the inline size
+    return json.dumps({"op": "decide", "job": {"script": script, "tres_per_node": "gres:gpu:v100:1",
+                                               "partition": "gpu-small"}}).encode() + b"\n"
+
+
+def ask_large(path: str, replies: list) -> threading.Thread:
+    def run() -> None:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(30)
+            s.connect(path)
+            s.sendall(large_decide())
+            import json
+
+            replies.append(json.loads(s.makefile("rb").readline()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def health_waits_while(busy: list[threading.Thread], path: str) -> list[float]:
+    waits = []
+    while any(t.is_alive() for t in busy) or not waits:
+        t0 = time.monotonic()
+        assert daemon_client.call(path, {"op": "health"}, timeout_s=30)
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.01)
+    return waits
+
+
+def test_health_answers_while_a_request_holds_the_gil(sock: str, slow_large_lines: float) -> None:
+    """Two large requests that each hold the GIL for 1.5 s are answered, and health checks meanwhile
+    are answered at once (they used to wait for the GIL as long as the requests held it)."""
+    from test_serve import daemon
+
+    from slurmgpu.apps import serve
+    from slurmgpu.pipeline.config import load_config
+
+    service = serve.Service(load_config(SAMPLE))
+    with daemon(sock, service):
+        replies: list = []
+        busy = [ask_large(sock, replies) for _ in range(2)]
+        waits = health_waits_while(busy, sock)
+        for t in busy:
+            t.join(30)
+    assert [r["ok"] and r["decision"]["apply"] for r in replies] == [{"partition": "gpu"}] * 2
+    assert service.count == len(waits) + 2  # the children's requests are counted here
+    assert len(waits) >= 5 and max(waits) < 0.5, f"{len(waits)} health checks, slowest {max(waits):.2f} s"
+
+
+def test_a_request_past_its_budget_is_answered_with_an_error(sock: str, slow_large_lines: float,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_serve import daemon
+
+    from slurmgpu.apps import serve, serve_socket
+    from slurmgpu.pipeline.config import load_config
+
+    monkeypatch.setattr(serve_socket, "WORK_BUDGET_S", 0.3)
+    with daemon(sock, serve.Service(load_config(SAMPLE))):
+        replies: list = []
+        t0 = time.monotonic()
+        ask_large(sock, replies).join(30)
+        took = time.monotonic() - t0
+        assert replies == [{"ok": False, "error": "request not answered within 0.3 s"}]
+        assert took < 1.4, f"{took:.2f} s for a 0.3 s budget and a 1.5 s request"
+        monkeypatch.setattr(serve_socket, "WORK_BUDGET_S", 10.0)
+        ask_large(sock, replies).join(30)  # the daemon carries on
+        assert replies[1]["ok"]
+
+
+def test_records_made_in_a_child_are_written_by_the_daemon(sock: str, tmp_path: Path) -> None:
+    """slurmctld's (a trusted peer's) decision on a large script is recorded, with its decision id."""
+    import json
+
+    from test_serve import daemon
+
+    from slurmgpu.apps import serve
+    from slurmgpu.pipeline.config import load_config
+
+    service = serve.Service(load_config(SAMPLE), record_spool=str(tmp_path))
+    with daemon(sock, service):
+        replies: list = []
+        ask_large(sock, replies).join(30)
+    assert service.records is not None and service.records.flush()
+    assert (service.records.written, service.records.failed) == (1, 0)
+    [record] = [json.loads(p.read_text()) for p in tmp_path.iterdir()]
+    assert record["decision"]["id"] == replies[0]["decision"]["id"] and record["source"] == "lua"
+    assert record["script_sha256"] and record["decision"]["apply"] == {"partition": "gpu"}

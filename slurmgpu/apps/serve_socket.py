@@ -6,11 +6,13 @@ with each client's kernel-reported identity (a request never says who it is for;
 
 from __future__ import annotations
 
+import functools
 import grp
 import json
 import logging
 import os
 import pwd
+import select
 import selectors
 import signal
 import socket
@@ -19,7 +21,7 @@ import struct
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -30,7 +32,8 @@ from slurmgpu.pipeline.errors import InputError
 IDLE_TIMEOUT_S = 60.0  # a connection that asks nothing is closed after this long (blank lines are not asking)
 READ_TIMEOUT_S = 5.0  # a request line must arrive whole within this long of its first byte
 INLINE_BYTES = 8192  # lines up to this size are answered in the I/O thread (a typical script)
-WORKERS = 4  # larger lines are answered by these threads, so none of them stalls the others
+WORKERS = 4  # larger lines are answered by these threads, each in a child process of its own
+WORK_BUDGET_S = 2.0  # a child answering one line is killed past this (any client has given up by then)
 MAX_CLIENTS = 512
 TRUSTED_RESERVE = 64  # of MAX_CLIENTS, for trusted peers only (slurmctld's hook, root): others never get them
 MAX_PER_USER = 64  # connections one untrusted uid may hold open (a gsbatch holds one, for milliseconds)
@@ -103,6 +106,7 @@ class Server:
         self.open: Counter[int] = Counter()  # admitted connections per uid
         self.selector = selectors.DefaultSelector()
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="slurmgpu-serve")
+        self.forking = threading.Lock()  # one fork at a time (see _in_child)
         self.done: deque[tuple[_Client, dict[str, Any]]] = deque()  # workers' replies, for the I/O thread
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
@@ -256,16 +260,84 @@ class Server:
         self._flush(client)
 
     def _work(self, client: _Client, line: bytes) -> None:
-        """In a worker thread: answer one line and hand the reply to the I/O thread."""
+        """In a worker thread: answer one line in a child process, and hand the reply to the I/O thread."""
+        answered = False
+
+        def answer(reply: dict[str, Any]) -> None:
+            nonlocal answered
+            if answered:  # one reply per line, whatever fails after it
+                return
+            answered = True
+            self.done.append((client, reply))
+            try:
+                self.wake_w.send(b"x")
+            except OSError:  # the wake-up pipe is full: the I/O thread is about to look anyway
+                pass
+
         try:
-            reply = self.service.handle(line, client.peer)
-        except Exception as exc:  # noqa: BLE001 - handle never raises; this is a last resort
-            reply = {"ok": False, "error": f"internal error: {type(exc).__name__}"}
-        self.done.append((client, reply))
+            self._in_child(line, client.peer, answer)
+        except Exception as exc:  # noqa: BLE001 - a last resort: the client still gets its one answer
+            log.exception("internal error")
+            answer({"ok": False, "error": f"internal error: {type(exc).__name__}"})
+
+    def _in_child(self, line: bytes, peer: Peer, answer: Callable[[dict[str, Any]], None]) -> None:
+        """Answer one line in a forked child, within ``WORK_BUDGET_S``. A child, not this thread:
+        the GIL is not released while a regular expression backtracks (a 120 KB script held it for
+        5 s), so CPU spent here on one request would stall every answer and health check; a child
+        has its own, and is killed when its time is up. It sends one JSON line, the reply, then one
+        per decision record it made (built there: a record reads the script too), which the writer
+        thread here writes."""
+        records = self.service.records
+        with self.forking:  # no other child may inherit this pipe's write end: its EOF would wait
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child (its coverage is not collected)
+                code = 1
+                try:
+                    os.close(read_end)
+                    built: list[Callable[[], dict[str, Any]]] = []
+                    if records is not None:
+                        records.sink = built.append
+                    with os.fdopen(write_end, "wb") as out:
+                        out.write(_json_line(self.service.handle(line, peer)))
+                        out.flush()
+                        for build in built:
+                            try:
+                                out.write(_json_line({"record": build()}))
+                            except Exception as exc:  # noqa: BLE001 - counted as failed by the writer
+                                out.write(_json_line({"error": f"{type(exc).__name__}: {exc}"}))
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(write_end)
+        self.service.tally()
+        deadline, pending, replied = time.monotonic() + WORK_BUDGET_S, bytearray(), False
         try:
-            self.wake_w.send(b"x")
-        except OSError:  # the wake-up pipe is full: the I/O thread is about to look anyway
-            pass
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                    os.kill(pid, signal.SIGKILL)
+                    log.warning("a %d-byte request from uid %d not answered within %g s: its process was killed",
+                                len(line), peer.uid, WORK_BUDGET_S)
+                    answer({"ok": False, "error": f"request not answered within {WORK_BUDGET_S:g} s"})
+                    return
+                chunk = os.read(read_end, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, rest = pending.split(b"\n")
+                pending = bytearray(rest)
+                for text in lines:
+                    item = json.loads(text)
+                    if not replied:
+                        answer(item)
+                        replied = True
+                    elif records is not None:
+                        records.put(functools.partial(_made, item))
+            answer({"ok": False, "error": "internal error: the request's process ended without an answer"})
+        finally:
+            os.close(read_end)
+            os.waitpid(pid, 0)
 
     def _replies(self) -> None:
         """In the I/O thread: send the workers' replies, then go on with each client's next lines."""
@@ -278,11 +350,11 @@ class Server:
             client, reply = self.done.popleft()
             client.busy, client.seen = False, time.monotonic()
             if client.sock in self.clients:
-                client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+                client.outbox += _json_line(reply)
                 self._next_lines(client)
 
     def _send(self, client: _Client, reply: Mapping[str, Any], last: bool = False) -> None:
-        client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+        client.outbox += _json_line(reply)
         client.closing = client.closing or last
         self._flush(client)
 
@@ -325,6 +397,17 @@ class Server:
                 self.open[client.peer.uid] -= 1
                 if not self.open[client.peer.uid]:
                     del self.open[client.peer.uid]
+
+
+def _json_line(value: Mapping[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode() + b"\n"
+
+
+def _made(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A decision record a child built (DecisionRecords' writer writes it), or why it could not."""
+    if "record" not in item:
+        raise ValueError(item.get("error"))
+    return dict(item["record"])
 
 
 def prepare_socket_path(path: str) -> None:
