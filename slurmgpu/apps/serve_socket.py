@@ -89,8 +89,9 @@ class Server:
     Decisions are CPU-bound Python under the GIL, so a thread per connection would only add its
     start-up and switching costs (measured: 0.26 ms of CPU and ~0.7 ms of latency a request,
     against 0.08 ms and 0.14 ms here): a line of up to ``INLINE_BYTES`` (a typical script) is
-    answered in the I/O thread. A longer one goes to a worker, so a client sending a large
-    script cannot hold up anyone's health check or decision; no line may exceed
+    answered in the I/O thread. A longer one goes to a worker thread, which has a child process
+    answer it (see _in_child), so a client sending a large script cannot hold up anyone's health
+    check or decision; no line may exceed
     ``MAX_REQUEST_BYTES`` and a line must arrive whole within ``READ_TIMEOUT_S`` (one slow
     client holds only its own connection). Connections are limited per untrusted uid
     (``MAX_PER_USER``) and ``TRUSTED_RESERVE`` of them are kept for trusted peers, so no user can
