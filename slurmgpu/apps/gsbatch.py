@@ -171,13 +171,14 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
 
 
 def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
-                timeout_s: float | None = None) -> dict[str, Any] | None:
+                deadline: float) -> dict[str, Any] | None:
     """The plan made by ``slurmgpu serve`` (the fast path: templates and model are loaded there),
-    or None when there is no daemon, it serves another config, or it does not answer in time.
+    or None when there is no daemon, it serves another config, or it does not answer by
+    ``deadline`` (``time.monotonic()``), the submission's one deadline for all its daemon exchanges.
     None too when the daemon refuses the job or calls the input bad: only this process stops a
     job (it plans again and finds the same refusal or error, or none), so a daemon cannot make
     gsbatch refuse what sbatch accepts."""
-    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, PLAN_TIMEOUT_S, call
+    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, call
 
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
     if inv.flags or inv.gpu_mem is not None or (inv.script is None and not inv.wrap) \
@@ -195,7 +196,7 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
     reply = call(socket_path, {
         "op": "plan", "config": os.path.realpath(config.path), "script_name": inv.script, "options": list(inv.options),
         "script": text, "env": {k: v for k, v in env.items() if k.startswith("SBATCH_")}},
-        PLAN_TIMEOUT_S if timeout_s is None else timeout_s)
+        deadline - time.monotonic())
     if not reply:
         return None
     if reply.get("ok") and isinstance(reply.get("plan"), dict):
@@ -405,14 +406,17 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
             decider: Decider | None, stdin_data: bytes | None = None) -> dict[str, Any]:
     """The plan in JSON form: from the daemon when it answers, else made here (and explained,
     when asked). Raises InputError for bad user input."""
+    from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
+
+    deadline = time.monotonic() + PLAN_TIMEOUT_S  # for the daemon's plan and its decision together
     if decider is None and config is not None:
-        answered = daemon_plan(inv, env, config)
+        answered = daemon_plan(inv, env, config, deadline)
         if answered is not None:
             return answered
     if decider is None:
         from slurmgpu.apps.site import site_decider
 
-        decider = site_decider(config, backend, env)
+        decider = site_decider(config, backend, env, deadline)
     p = plan(inv, env, decider, stdin_data=stdin_data)
     if "--explain" in inv.flags and p.request is not None:
         text = explain_text(p.request, p.decision)

@@ -59,6 +59,7 @@ the model it applies holds no per-user statistics. A request line is at most
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -255,14 +256,16 @@ class DecisionRecords:
     The request path only queues; a thread builds and writes each record (script features, the
     hash, an fsync'd file), so a slow disk never holds slurmctld. A full queue drops records
     (counted, logged), never a request. The job id is not known yet when slurmctld asks: a model
-    decision carries a decision id, and its tag in the job's comment links the job to the record."""
+    decision carries a decision id, and its tag in the job's comment links the job to the record.
+    Each queued item is a function that builds the record: a request answered in a child process
+    (serve_socket) has its records built there (``sink``) and queued here already built."""
 
     MAX_QUEUED = 10_000
 
     def __init__(self, directory: str, cluster: str | None) -> None:
         self.directory, self.cluster = directory, cluster
-        self.pending: queue.Queue[tuple[dict[str, Any], Mapping[str, Any], JobRequest, Who] | None] = \
-            queue.Queue(self.MAX_QUEUED)
+        self.pending: queue.Queue[Callable[[], dict[str, Any]] | None] = queue.Queue(self.MAX_QUEUED)
+        self.sink: Callable[[Callable[[], dict[str, Any]]], None] | None = None  # instead of the queue
         self.written = self.dropped = self.failed = 0
         self.last_error: str | None = None
         self._thread: threading.Thread | None = None
@@ -279,15 +282,23 @@ class DecisionRecords:
                 and not out.get("refused"):
             main = request.main
             out["tag"] = decision_tag(out, out["id"], main.gpu_type, main.gpus_total)
+        build = functools.partial(self.record, out, dict(job), request, who)
+        if self.sink is not None:
+            self.sink(build)
+        else:
+            self.put(build)
+        return out
+
+    def put(self, build: Callable[[], dict[str, Any]]) -> None:
+        """Queue one record, made by ``build`` in the writer thread."""
         self._start()
         try:
-            self.pending.put_nowait((out, dict(job), request, who))
+            self.pending.put_nowait(build)
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("decision records dropped: %d (the spool %s is not keeping up)", self.dropped,
                             self.directory)
-        return out
 
     def _start(self) -> None:
         with self._lock:
@@ -301,7 +312,7 @@ class DecisionRecords:
             try:
                 if item is None:
                     return
-                self.write(*item)
+                self.write(item)
             finally:
                 self.pending.task_done()
 
@@ -334,9 +345,9 @@ class DecisionRecords:
             original_request=request.to_json(), decision={k: v for k, v in decision.items() if k != "tag"},
             changed=bool(decision.get("apply")))
 
-    def write(self, decision: Mapping[str, Any], job: Mapping[str, Any], request: JobRequest, who: Who) -> None:
+    def write(self, build: Callable[[], dict[str, Any]]) -> None:
         try:
-            write_record(self.directory, self.record(decision, job, request, who))
+            write_record(self.directory, build())
             self.written += 1
         except Exception as exc:  # noqa: BLE001 - a record is never worth a request; say so, carry on
             self.failed += 1
@@ -551,11 +562,15 @@ class Service:
                 "window": bundle.data.get("window") if bundle else None, "error": m.error},
         }
 
+    def tally(self) -> None:
+        """Count one request (health's ``requests``); serve_socket counts here those a child answered."""
+        self.count = next(self._counter)
+
     def handle(self, line: bytes, peer: Peer | None = None) -> dict[str, Any]:
         """One request line to one reply; never raises, logs each decision. ``peer``: who is
         connected (None for an in-process caller, whose user fields are believed)."""
         t0 = time.perf_counter()
-        self.count = next(self._counter)
+        self.tally()
         who = Who(None, peer.uid if peer else None, "peer" if peer else "caller")
         try:
             message = json.loads(line.decode("utf-8", "surrogateescape"))

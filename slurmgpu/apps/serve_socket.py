@@ -6,11 +6,13 @@ with each client's kernel-reported identity (a request never says who it is for;
 
 from __future__ import annotations
 
+import functools
 import grp
 import json
 import logging
 import os
 import pwd
+import select
 import selectors
 import signal
 import socket
@@ -18,8 +20,8 @@ import stat
 import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -27,11 +29,14 @@ from slurmgpu.apps.daemon_client import MAX_REQUEST_BYTES, call
 from slurmgpu.apps.serve import Peer, Service
 from slurmgpu.pipeline.errors import InputError
 
-IDLE_TIMEOUT_S = 60.0  # a connection with nothing to say is closed after this long
+IDLE_TIMEOUT_S = 60.0  # a connection that asks nothing is closed after this long (blank lines are not asking)
 READ_TIMEOUT_S = 5.0  # a request line must arrive whole within this long of its first byte
 INLINE_BYTES = 8192  # lines up to this size are answered in the I/O thread (a typical script)
-WORKERS = 4  # larger lines are answered by these threads, so none of them stalls the others
+WORKERS = 4  # larger lines are answered by these threads, each in a child process of its own
+WORK_BUDGET_S = 2.0  # a child answering one line is killed past this (any client has given up by then)
 MAX_CLIENTS = 512
+TRUSTED_RESERVE = 64  # of MAX_CLIENTS, for trusted peers only (slurmctld's hook, root): others never get them
+MAX_PER_USER = 64  # connections one untrusted uid may hold open (a gsbatch holds one, for milliseconds)
 log = logging.getLogger("slurmgpu.apps.serve")
 
 class Access(NamedTuple):
@@ -65,11 +70,14 @@ class _Client:
     """One connection's unread input and unsent output; ``busy`` while a worker answers its
     current line (its next line waits, so replies keep the order of the requests)."""
 
-    __slots__ = ("sock", "inbox", "outbox", "seen", "closing", "peer", "busy", "eof", "events", "line_since")
+    __slots__ = ("sock", "inbox", "outbox", "seen", "closing", "peer", "busy", "eof", "events", "line_since",
+                 "admitted")
 
     def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock, self.inbox, self.outbox = sock, bytearray(), bytearray()
+        # seen: when it connected, last asked something (a blank line is not asking) or was answered
         self.seen, self.closing, self.peer, self.busy, self.eof = time.monotonic(), False, peer, False, False
+        self.admitted = False  # counted in Server.open (a refused one is only answered and closed)
         self.events = 0  # what the selector listens for on this socket (0: not registered)
         self.line_since: float | None = None  # when the unfinished line's first byte came
 
@@ -81,11 +89,14 @@ class Server:
     Decisions are CPU-bound Python under the GIL, so a thread per connection would only add its
     start-up and switching costs (measured: 0.26 ms of CPU and ~0.7 ms of latency a request,
     against 0.08 ms and 0.14 ms here): a line of up to ``INLINE_BYTES`` (a typical script) is
-    answered in the I/O thread. A longer one goes to a worker, so a client sending a large
-    script cannot hold up anyone's health check or decision; no line may exceed
+    answered in the I/O thread. A longer one goes to a worker thread, which has a child process
+    answer it (see _in_child), so a client sending a large script cannot hold up anyone's health
+    check or decision; no line may exceed
     ``MAX_REQUEST_BYTES`` and a line must arrive whole within ``READ_TIMEOUT_S`` (one slow
-    client holds only its own connection). The socket file is made private first, then given
-    its group and mode.
+    client holds only its own connection). Connections are limited per untrusted uid
+    (``MAX_PER_USER``) and ``TRUSTED_RESERVE`` of them are kept for trusted peers, so no user can
+    take the slots slurmctld's hook needs; one that asks nothing for ``IDLE_TIMEOUT_S`` is closed.
+    The socket file is made private first, then given its group and mode.
     """
 
     def __init__(self, path: str, service: Service, access: Access, mode: int = 0o660) -> None:
@@ -93,8 +104,10 @@ class Server:
         self.inode: int | None = None  # of the socket file this server made; only that one is removed
         self.stopping = threading.Event()
         self.clients: dict[socket.socket, _Client] = {}
+        self.open: Counter[int] = Counter()  # admitted connections per uid
         self.selector = selectors.DefaultSelector()
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="slurmgpu-serve")
+        self.forking = threading.Lock()  # one fork at a time (see _in_child)
         self.done: deque[tuple[_Client, dict[str, Any]]] = deque()  # workers' replies, for the I/O thread
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
@@ -148,7 +161,7 @@ class Server:
             if client.line_since is not None and now - client.line_since > READ_TIMEOUT_S:
                 self._send(client, {"ok": False, "error": f"request not complete within {READ_TIMEOUT_S:g} s"},
                            last=True)
-            elif client.seen < now - IDLE_TIMEOUT_S and not client.outbox:
+            elif client.seen < now - IDLE_TIMEOUT_S:  # with unsent replies too: it is not reading them
                 self._close(client)
 
     def shutdown(self) -> None:
@@ -180,12 +193,26 @@ class Server:
         client = _Client(sock, Peer(pid, uid, gid, uid in self.access.trusted))
         self.clients[sock] = client
         self._want(client, selectors.EVENT_READ)
-        if not self.access.allows(uid, gid):
-            log.warning("refused a connection from uid %d (not root, SlurmUser or in the socket's group)", uid)
-            self._send(client, {"ok": False, "error": "permission denied"}, last=True)
-        elif len(self.clients) > MAX_CLIENTS:
-            log.warning("refused a connection from uid %d: %d connections open", uid, MAX_CLIENTS)
-            self._send(client, {"ok": False, "error": "busy: too many connections"}, last=True)
+        refusal = self._refusal(client.peer)
+        if refusal is None:
+            client.admitted = True
+            self.open[uid] += 1
+        else:
+            log.warning("refused a connection from uid %d: %s", uid, refusal)
+            self._send(client, {"ok": False, "error": refusal}, last=True)
+
+    def _refusal(self, peer: Peer) -> str | None:
+        """Why a new connection from this peer is refused (None: it is served)."""
+        if not self.access.allows(peer.uid, peer.gid):
+            return "permission denied"  # not root, SlurmUser, the daemon's own user or in the socket's group
+        total = self.open.total()
+        if peer.trusted:
+            return "busy: too many connections" if total >= MAX_CLIENTS else None
+        if self.open[peer.uid] >= MAX_PER_USER:
+            return f"busy: too many connections from uid {peer.uid} (at most {MAX_PER_USER})"
+        if total - sum(self.open[uid] for uid in self.access.trusted) >= MAX_CLIENTS - TRUSTED_RESERVE:
+            return "busy: too many connections"
+        return None
 
     def _read(self, client: _Client) -> None:
         try:
@@ -194,7 +221,6 @@ class Server:
             return
         except OSError:
             data = b""
-        client.seen = time.monotonic()
         if client.closing:  # answered for the last time: what else it sends is dropped
             return
         if not data:
@@ -214,6 +240,7 @@ class Server:
             client.line_since = None
             if not line.strip():
                 continue
+            client.seen = time.monotonic()
             if len(line) <= INLINE_BYTES:
                 self._send(client, self.service.handle(line, client.peer))
             else:
@@ -234,16 +261,84 @@ class Server:
         self._flush(client)
 
     def _work(self, client: _Client, line: bytes) -> None:
-        """In a worker thread: answer one line and hand the reply to the I/O thread."""
+        """In a worker thread: answer one line in a child process, and hand the reply to the I/O thread."""
+        answered = False
+
+        def answer(reply: dict[str, Any]) -> None:
+            nonlocal answered
+            if answered:  # one reply per line, whatever fails after it
+                return
+            answered = True
+            self.done.append((client, reply))
+            try:
+                self.wake_w.send(b"x")
+            except OSError:  # the wake-up pipe is full: the I/O thread is about to look anyway
+                pass
+
         try:
-            reply = self.service.handle(line, client.peer)
-        except Exception as exc:  # noqa: BLE001 - handle never raises; this is a last resort
-            reply = {"ok": False, "error": f"internal error: {type(exc).__name__}"}
-        self.done.append((client, reply))
+            self._in_child(line, client.peer, answer)
+        except Exception as exc:  # noqa: BLE001 - a last resort: the client still gets its one answer
+            log.exception("internal error")
+            answer({"ok": False, "error": f"internal error: {type(exc).__name__}"})
+
+    def _in_child(self, line: bytes, peer: Peer, answer: Callable[[dict[str, Any]], None]) -> None:
+        """Answer one line in a forked child, within ``WORK_BUDGET_S``. A child, not this thread:
+        the GIL is not released while a regular expression backtracks (a 120 KB script held it for
+        5 s), so CPU spent here on one request would stall every answer and health check; a child
+        has its own, and is killed when its time is up. It sends one JSON line, the reply, then one
+        per decision record it made (built there: a record reads the script too), which the writer
+        thread here writes."""
+        records = self.service.records
+        with self.forking:  # no other child may inherit this pipe's write end: its EOF would wait
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child (its coverage is not collected)
+                code = 1
+                try:
+                    os.close(read_end)
+                    built: list[Callable[[], dict[str, Any]]] = []
+                    if records is not None:
+                        records.sink = built.append
+                    with os.fdopen(write_end, "wb") as out:
+                        out.write(_json_line(self.service.handle(line, peer)))
+                        out.flush()
+                        for build in built:
+                            try:
+                                out.write(_json_line({"record": build()}))
+                            except Exception as exc:  # noqa: BLE001 - counted as failed by the writer
+                                out.write(_json_line({"error": f"{type(exc).__name__}: {exc}"}))
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(write_end)
+        self.service.tally()
+        deadline, pending, replied = time.monotonic() + WORK_BUDGET_S, bytearray(), False
         try:
-            self.wake_w.send(b"x")
-        except OSError:  # the wake-up pipe is full: the I/O thread is about to look anyway
-            pass
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                    os.kill(pid, signal.SIGKILL)
+                    log.warning("a %d-byte request from uid %d not answered within %g s: its process was killed",
+                                len(line), peer.uid, WORK_BUDGET_S)
+                    answer({"ok": False, "error": f"request not answered within {WORK_BUDGET_S:g} s"})
+                    return
+                chunk = os.read(read_end, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, rest = pending.split(b"\n")
+                pending = bytearray(rest)
+                for text in lines:
+                    item = json.loads(text)
+                    if not replied:
+                        answer(item)
+                        replied = True
+                    elif records is not None:
+                        records.put(functools.partial(_made, item))
+            answer({"ok": False, "error": "internal error: the request's process ended without an answer"})
+        finally:
+            os.close(read_end)
+            os.waitpid(pid, 0)
 
     def _replies(self) -> None:
         """In the I/O thread: send the workers' replies, then go on with each client's next lines."""
@@ -254,13 +349,13 @@ class Server:
             pass
         while self.done:
             client, reply = self.done.popleft()
-            client.busy = False
+            client.busy, client.seen = False, time.monotonic()
             if client.sock in self.clients:
-                client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+                client.outbox += _json_line(reply)
                 self._next_lines(client)
 
     def _send(self, client: _Client, reply: Mapping[str, Any], last: bool = False) -> None:
-        client.outbox += json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+        client.outbox += _json_line(reply)
         client.closing = client.closing or last
         self._flush(client)
 
@@ -299,6 +394,21 @@ class Server:
         if self.clients.pop(client.sock, None) is not None:
             self._want(client, 0)
             client.sock.close()
+            if client.admitted:
+                self.open[client.peer.uid] -= 1
+                if not self.open[client.peer.uid]:
+                    del self.open[client.peer.uid]
+
+
+def _json_line(value: Mapping[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode() + b"\n"
+
+
+def _made(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A decision record a child built (DecisionRecords' writer writes it), or why it could not."""
+    if "record" not in item:
+        raise ValueError(item.get("error"))
+    return dict(item["record"])
 
 
 def prepare_socket_path(path: str) -> None:

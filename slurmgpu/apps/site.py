@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -62,13 +63,14 @@ def daemon_job(request: JobRequest, user: str | None = None) -> dict[str, Any]:
 
 class DaemonDecider:
     """Asks ``slurmgpu serve`` (model and config already loaded there); falls back to deciding
-    in this process when the daemon does not answer in time."""
+    in this process when the daemon does not answer by ``deadline`` (``time.monotonic()``: the
+    submission's one deadline for all its daemon exchanges; None: ``PLAN_TIMEOUT_S`` from asking)."""
 
     name = "daemon"
 
-    def __init__(self, socket_path: str, user: str | None, fallback: Any, timeout_s: float = PLAN_TIMEOUT_S,
+    def __init__(self, socket_path: str, user: str | None, fallback: Any, deadline: float | None = None,
                  config: Config | None = None) -> None:
-        self.socket_path, self.user, self.fallback, self.timeout_s = socket_path, user, fallback, timeout_s
+        self.socket_path, self.user, self.fallback, self.deadline = socket_path, user, fallback, deadline
         self.config = config  # the answer is checked against it before it is used
 
     def decide(self, request: JobRequest) -> Decision:
@@ -76,7 +78,8 @@ class DaemonDecider:
         from slurmgpu.pipeline.policy import Candidate, ComponentChange, Decision, KeepDecider
         from slurmgpu.pipeline.validate import check_decision
 
-        answer = ask(self.socket_path, daemon_job(request), self.timeout_s)
+        timeout_s = PLAN_TIMEOUT_S if self.deadline is None else self.deadline - time.monotonic()
+        answer = ask(self.socket_path, daemon_job(request), timeout_s)
         if answer is None or request.is_hetjob:
             return self.fallback().decide(request)
         problem = check_decision(answer, self.config, request.to_json()) if self.config else None
@@ -93,9 +96,11 @@ class DaemonDecider:
         return KeepDecider(f"the daemon's answer was not applied ({problem}); request kept").decide(request)
 
 
-def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str]) -> Decider:
-    """The configured decider: the daemon when its socket is there (the fast path), else the
-    model in this process; a model that cannot be used leaves the request as written."""
+def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str, str],
+                 deadline: float | None = None) -> Decider:
+    """The configured decider: the daemon when its socket is there (the fast path, asked by
+    ``deadline``: see DaemonDecider), else the model in this process; a model that cannot be used
+    leaves the request as written."""
     from slurmgpu.pipeline.policy import make_decider
 
     if config is None or config.policy.decider != "model":
@@ -105,7 +110,7 @@ def site_decider(config: Config | None, backend: SlurmBackend, env: Mapping[str,
     user = env.get("USER") or env.get("LOGNAME")
     socket_path = env.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
     if os.path.exists(socket_path):
-        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user), config=config)
+        return DaemonDecider(socket_path, user, lambda: local_decider(config, backend, env, user), deadline, config)
     return local_decider(config, backend, env, user)
 
 
@@ -159,8 +164,6 @@ def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, 
 def _fresh_cache(env: Mapping[str, str], name: str, ttl_s: float) -> tuple[str, str | None, float]:
     """A per-user cache file of gsbatch's: its path, its text when it is less than TTL_S old (else
     None: absent, stale, unreadable) and its age in seconds."""
-    import time
-
     path = os.path.join(user_cache_dir(env), name)
     try:
         age = time.time() - os.stat(path).st_mtime
