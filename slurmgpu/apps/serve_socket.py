@@ -286,7 +286,7 @@ class Server:
         the GIL is not released while a regular expression backtracks (a 120 KB script held it for
         5 s), so CPU spent here on one request would stall every answer and health check; a child
         has its own, and is killed when its time is up. It sends one JSON line, the reply, then one
-        per decision record it made (built there: a record reads the script too), which the writer
+        per decision record it made (the reply is passed on when the child is done) (built there: a record reads the script too), which the writer
         thread here writes."""
         records = self.service.records
         with self.forking:  # no other child may inherit this pipe's write end: its EOF would wait
@@ -312,7 +312,8 @@ class Server:
                     os._exit(code)
             os.close(write_end)
         self.service.tally()
-        deadline, pending, replied = time.monotonic() + WORK_BUDGET_S, bytearray(), False
+        deadline, pending = time.monotonic() + WORK_BUDGET_S, bytearray()
+        items: list[dict[str, Any]] = []
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -328,14 +329,14 @@ class Server:
                 pending += chunk
                 *lines, rest = pending.split(b"\n")
                 pending = bytearray(rest)
-                for text in lines:
-                    item = json.loads(text)
-                    if not replied:
-                        answer(item)
-                        replied = True
-                    elif records is not None:
-                        records.put(functools.partial(_made, item))
-            answer({"ok": False, "error": "internal error: the request's process ended without an answer"})
+                items += [json.loads(text) for text in lines]
+            # Records are queued before the reply goes: once a client has its answer, its record is
+            # the writer's (a daemon stopping then still flushes it).
+            for item in items[1:]:
+                if records is not None:
+                    records.put(functools.partial(_made, item))
+            answer(items[0] if items else
+                   {"ok": False, "error": "internal error: the request's process ended without an answer"})
         finally:
             os.close(read_end)
             os.waitpid(pid, 0)
