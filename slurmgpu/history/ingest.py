@@ -413,7 +413,10 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         raise ValueError(f"submitted_at: expected an ISO-8601 time, got {json.dumps(submitted)[:60]}") from None
     if when.tzinfo is None:
         raise ValueError("submitted_at: expected a time with its UTC offset")
-    when = when.astimezone(UTC).replace(tzinfo=None)
+    try:  # an offset can carry 0001-01-01 or 9999-12-31 past datetime's range
+        when = when.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:
+        raise ValueError(f"submitted_at: {json.dumps(submitted)[:60]} out of range") from None
     if not 1970 <= when.year <= 2999:
         raise ValueError(f"submitted_at: year {when.year} out of range")
     exit_code = _field(data, "sbatch_exit", (int,), nullable=True)
@@ -534,8 +537,8 @@ def _linked(f: SpoolFile, cluster: str, job_id: str | None, users: dict[tuple[st
         return _Verdict(STORE)
     owners = users.get((cluster, job_id))
     if not owners:
-        age = now - datetime.fromtimestamp(f.mtime, UTC).replace(tzinfo=None)
-        if age > JOB_WAIT:
+        # in seconds, not datetimes: the owner sets the mtime, and one past year 9999 overflows a datetime
+        if now.replace(tzinfo=UTC).timestamp() - f.mtime > JOB_WAIT.total_seconds():
             return _Verdict("job unknown", f"job {cluster}/{job_id} not in the accounting after "
                                            f"{JOB_WAIT.total_seconds() / 3600:.0f} h")
         return _Verdict(WAIT)
@@ -748,14 +751,12 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
     for f in files:
         try:
             parsed.append((f, kind.parse(f)))
-        except (ValueError, TypeError, KeyError) as exc:
-            _set_aside(f.path, "malformed", str(exc).removeprefix(f"{f.path}: "), report)
+        except Exception as exc:  # noqa: BLE001 - whatever one file does to the parser, the run goes on
+            _set_aside(f.path, "malformed", _why(exc).removeprefix(f"{f.path}: "), report)
     if not parsed:
         return
-    with engine.connect() as conn:
-        verdicts = kind.admit(conn, parsed, trusted, utcnow())
     chosen: list[tuple[SpoolFile, dict[str, Any]]] = []
-    for (f, row), verdict in zip(parsed, verdicts, strict=True):
+    for (f, row), verdict in _admitted(engine, kind, parsed, trusted, report):
         if verdict.action == STORE:
             chosen.append((f, row))
         elif verdict.action == WAIT:
@@ -771,7 +772,7 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
         with engine.begin() as conn:
             kind.store(conn, [row for _, row in chosen])
         stored = chosen
-    except (DBAPIError, UnicodeError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - one record's fault: found below, one record at a time
         if _connection_problem(exc):
             raise
         stored = []
@@ -783,7 +784,7 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
             except IntegrityError:
                 report.files_duplicate += 1  # a concurrent ingest stored it first
                 _remove(f.path, report)
-            except (DBAPIError, UnicodeError, ValueError, TypeError) as one:
+            except Exception as one:  # noqa: BLE001 - this record's alone: it is set aside, the run goes on
                 if _connection_problem(one):
                     raise
                 first = str(getattr(one, "orig", one)).strip().splitlines() or [type(one).__name__]
@@ -791,6 +792,27 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
     report.files_loaded += len(stored)
     for f, _ in stored:
         _remove(f.path, report)
+
+
+def _why(exc: Exception) -> str:
+    """A check's own message, or an unforeseen failure named by its type."""
+    return str(exc) if isinstance(exc, ValueError | TypeError | KeyError) else f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+def _admitted(engine: Engine, kind: _SpoolKind, parsed: list[tuple[SpoolFile, dict[str, Any]]],
+              trusted: Collection[int], report: Report) -> list[tuple[tuple[SpoolFile, dict[str, Any]], _Verdict]]:
+    """Each parsed record with its verdict. Checks that fail for a batch are run one record at a time,
+    and a record they still fail on is set aside: one record never stops the run."""
+    try:
+        with engine.connect() as conn:
+            return list(zip(parsed, kind.admit(conn, parsed, trusted, utcnow()), strict=True))
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        if _connection_problem(exc):
+            raise
+        if len(parsed) > 1:
+            return [one for item in parsed for one in _admitted(engine, kind, [item], trusted, report)]
+        _set_aside(parsed[0][0].path, "unexpected error", _why(exc), report)
+        return []
 
 
 def _connection_problem(exc: BaseException) -> bool:

@@ -1,0 +1,134 @@
+"""The nightly ingest against records that are wrong in every way a user can make them: whatever one
+record holds (types, ranges, encodings, times, names, sizes), it is loaded, left to wait or set aside
+with a reason, and the run and the records behind it go on."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import select
+
+from slurmgpu.history import db, ingest
+from slurmgpu.pipeline import spool
+from slurmgpu.slurm.sacct import JobRecord
+
+CLUSTER = "c1"
+
+
+def record(job_id: str | None = None, **fields: Any) -> dict[str, Any]:
+    base = dict(cluster=CLUSTER, job_id=job_id, script_sha256=None, sbatch_exit=0, features={"script": None},
+                original_request={"gpus_total": 1}, decision={"changed": False}, changed=False)
+    return spool.new_record(**{**base, **fields})
+
+
+def stored_ids(engine: Any) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.execute(select(db.Submission.record_id)).scalars())
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    """One store for all examples (records have fresh ids), with root's job 100 (this test runs as
+    the file owner: as root where the suite runs, or as whoever runs it)."""
+    home = tempfile.mkdtemp(prefix="sg-harden-")
+    url = f"sqlite:///{home}/h.db"
+    db.upgrade(url)
+    eng = db.make_engine(url)
+    values = dict.fromkeys(ingest.JOB_COLUMNS)
+    values.update(cluster=CLUSTER, job_id="100", state="COMPLETED", gpu_count=1, user=ingest._owner(os.geteuid()))
+    ingest.load_jobs(eng, [JobRecord(values, 1)])
+    yield eng
+    eng.dispose()
+    shutil.rmtree(home)
+
+
+# --- item: one record stops the nightly -----------------------------------------------------------
+
+FIELDS = ("version", "record_id", "submitted_at", "cluster", "job_id", "script_sha256", "sbatch_exit", "features",
+          "original_request", "decision", "changed", "source", "script_text", "model_version", "user")
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)  # lone surrogates, NUL, ...
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | ANY_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ANY_TEXT, inner, max_size=3), max_leaves=6)
+OFFSETS = st.integers(min_value=-1439, max_value=1439).map(lambda m: f"{'+-'[m < 0]}{abs(m) // 60:02}:{abs(m) % 60:02}")
+TIMES = st.builds(lambda when, offset: when.isoformat() + offset, st.datetimes(), OFFSETS)
+ENCODINGS = ("utf-8", "utf-16", "utf-32", "latin-1")
+
+
+def _encoded(rec: dict[str, Any], encoding: str) -> bytes:
+    text = json.dumps(rec, ensure_ascii=encoding != "utf-8")
+    return text.encode(encoding, "surrogatepass")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES | TIMES, min_size=1, max_size=3),
+       encoding=st.sampled_from(ENCODINGS), job=st.sampled_from([None, "100", "123456"]), cut=st.integers(0, 4))
+@example(changes={"submitted_at": "0001-01-01T00:00:00+00:01"}, encoding="utf-8", job=None, cut=0)
+@example(changes={"submitted_at": "9999-12-31T23:59:59-23:59"}, encoding="utf-8", job=None, cut=0)
+def test_no_record_stops_the_run(engine: Any, changes: dict[str, Any], encoding: str, job: str | None,
+                                 cut: int) -> None:
+    """A record with any fields in any encoding (or cut short) ends loaded, waiting or set aside with a
+    reason; a good record in the same run is stored; nothing raises."""
+    directory = tempfile.mkdtemp(prefix="sg-fuzz-")
+    try:
+        bad = {**record(job), **changes}
+        data = _encoded(bad, encoding)
+        Path(directory, "sub-a-bad.json").write_bytes(data[:len(data) - cut])
+        good = record()
+        spool.write_record(directory, good)
+        report = ingest.load_submissions(engine, directory, trusted=())
+        assert good["record_id"] in stored_ids(engine)
+        assert report.files_loaded + len(report.files_rejected) + report.files_waiting + report.files_duplicate == 2
+        left = sorted(os.listdir(directory))
+        assert left in ([], ["sub-a-bad.json"], ["sub-a-bad.json.rejected"]), left
+        assert (left == ["sub-a-bad.json"]) == (report.files_waiting == 1)
+        assert all(": " in line for line in report.files_rejected)  # "path: kind: reason"
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs, whose times go past year 9999")
+def test_a_modification_time_past_year_9999_does_not_stop_the_run(engine: Any) -> None:
+    """A record's owner sets its mtime; on tmpfs (or btrfs) it can lie past what a datetime holds,
+    which made the wait for an unknown job raise for the whole batch."""
+    directory = tempfile.mkdtemp(prefix="sg-mtime-", dir="/dev/shm")
+    try:
+        far = os.path.join(directory, os.path.basename(spool.write_record(directory, record("777"))))
+        os.utime(far, (1e12, 1e12))
+        good = record()
+        spool.write_record(directory, good)
+        report = ingest.load_submissions(engine, directory, trusted=())
+        assert good["record_id"] in stored_ids(engine) and report.files_loaded == 1
+        assert report.files_waiting == 1 and os.path.exists(far)  # its job may still come
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_a_check_failing_on_one_record_sets_only_that_one_aside(engine: Any, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unforeseen fault in the admission checks of one record (here a lookup that raises for it)
+    sets that record aside with the fault named; the rest of its batch loads."""
+    bad, good = record(cluster="boom"), record()
+    for rec in (bad, good):
+        spool.write_record(str(tmp_path), rec)
+    real = ingest._linked
+
+    def linked(f: ingest.SpoolFile, cluster: str, *args: Any) -> Any:
+        if cluster == "boom":
+            raise OverflowError("a fault no check foresaw")
+        return real(f, cluster, *args)
+
+    monkeypatch.setattr(ingest, "_linked", linked)
+    report = ingest.load_submissions(engine, str(tmp_path), trusted=())
+    assert good["record_id"] in stored_ids(engine) and bad["record_id"] not in stored_ids(engine)
+    assert report.rejected_kinds == {"unexpected error": 1}
+    assert "OverflowError: a fault no check foresaw" in report.files_rejected[0]
