@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
+from test_spool_trust import NIGHTLY, USER, Site, accounts, as_user, cli_ingest, drop, site  # noqa: F401 - fixtures
 
 from slurmgpu.history import db, ingest
 from slurmgpu.pipeline import spool
@@ -132,3 +133,27 @@ def test_a_check_failing_on_one_record_sets_only_that_one_aside(engine: Any, tmp
     assert good["record_id"] in stored_ids(engine) and bad["record_id"] not in stored_ids(engine)
     assert report.rejected_kinds == {"unexpected error": 1}
     assert "OverflowError: a fault no check foresaw" in report.files_rejected[0]
+
+
+# --- item: names the ingest cannot rename ----------------------------------------------------------
+
+
+def _long_names(subs: str) -> list[str]:
+    """sguser's part: two 255-byte names (one where 100 bytes end mid-character) with bad content."""
+    return [drop(subs, name, "{not json") for name in ("sub-" + "x" * 246 + ".json", "sub-x" + "é" * 122 + ".json")]
+
+
+def test_a_name_too_long_for_rejected_is_set_aside_once(site: Site) -> None:  # noqa: F811 - the fixture
+    """A 255-byte name cannot take ``.rejected``: it was re-read and re-reported, exit 1, every night.
+    Now it is renamed to a short name ending ``.rejected`` once, and the next run has nothing to say."""
+    names = as_user(USER, _long_names, site.subs)
+    first = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
+    assert first["exception"] is None and first["code"] == 1, first
+    assert "2 rejected (2 malformed)" in first["stdout"] and first["stderr"].count("its name is too long") == 2
+    left = os.listdir(site.subs)
+    assert len(left) == 2, left
+    assert all(n.endswith(".rejected") and len(os.fsencode(n)) <= 126 and n.isprintable() for n in left), left
+    assert sorted(n[:40] for n in left) == sorted(n[:40] for n in names)  # still starts like the original
+    again = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
+    assert again["code"] == 0, again
+    assert "spool records" not in again["stdout"] and sorted(os.listdir(site.subs)) == sorted(left)

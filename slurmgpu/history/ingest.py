@@ -47,7 +47,7 @@ class Report:
         self.inserted = self.updated = self.unchanged = 0
         self.errors: list[sacct.RowError] = []
         self.files_loaded = 0
-        self.files_rejected: list[str] = []  # "path: kind: reason", each renamed *.rejected
+        self.files_rejected: list[str] = []  # "path: kind: reason", each renamed *.rejected (_set_aside)
         self.rejected_kinds: Counter[str] = Counter()
         self.files_waiting = 0  # their job is not in the accounting yet: left for the next run
         self.files_duplicate = 0  # already stored: removed
@@ -728,8 +728,23 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
 
 
 def _set_aside(path: str, kind: str, reason: str, report: Report) -> None:
+    """Rename the file ``*.rejected`` (never read again) and report it. A name too long to take the
+    suffix is cut to a short one that still starts like it and ends with a hash of the whole name, so
+    it is not re-read and re-reported every night."""
+    target = path + ".rejected"
     try:
-        os.replace(path, path + ".rejected")
+        try:
+            os.replace(path, target)
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            directory, name = os.path.split(path)
+            start = name[:100]
+            while len(os.fsencode(start)) > 100:  # whole characters, 100 bytes at most
+                start = start[:-1]
+            target = os.path.join(directory, f"{start}~{hexdigest('sha256', os.fsencode(name))[:16]}.rejected")
+            os.replace(path, target)
+            reason += f" (renamed {shown(os.path.basename(target))}: its name is too long to take .rejected)"
     except OSError as exc:
         reason += f" (could not be renamed: {exc.strerror})"
     report.files_rejected.append(f"{shown(path)}: {kind}: {reason}")
