@@ -4,8 +4,12 @@ with a reason, and the run and the records behind it go on."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -16,7 +20,18 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
-from test_spool_trust import NIGHTLY, USER, Site, accounts, as_user, cli_ingest, drop, site  # noqa: F401 - fixtures
+from test_spool_trust import (  # noqa: F401 - accounts and site are fixtures
+    CONFIG,
+    NIGHTLY,
+    USER,
+    Site,
+    accounts,
+    as_user,
+    cli_ingest,
+    drop,
+    job,
+    site,
+)
 
 from slurmgpu.history import db, ingest
 from slurmgpu.pipeline import spool
@@ -157,3 +172,77 @@ def test_a_name_too_long_for_rejected_is_set_aside_once(site: Site) -> None:  # 
     again = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
     assert again["code"] == 0, again
     assert "spool records" not in again["stdout"] and sorted(os.listdir(site.subs)) == sorted(left)
+
+
+# --- item: records the ingest rejected for jobs that ran -----------------------------------------
+
+
+def _gsbatch_as_user(directory: str, subs: str) -> list[str]:
+    """gsbatch run by the user on each script of ``directory`` (names as bytes); what it printed."""
+    from slurmgpu.apps import gsbatch
+
+    env = {"PATH": "/usr/bin:/bin", "SLURMGPU_CONFIG": str(CONFIG), "SLURMGPU_SUBMISSION_SPOOL": subs}
+    printed = []
+    for name in sorted(os.listdir(os.fsencode(directory))):
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # gsbatch passes sbatch's bytes on
+        with contextlib.redirect_stdout(out):
+            code = gsbatch.main([os.fsdecode(os.path.join(os.fsencode(directory), name))], env=env)
+        out.flush()
+        printed.append(f"{code}:{out.buffer.getvalue().decode()}")  # type: ignore[attr-defined]
+    return printed
+
+
+@pytest.mark.slurm
+def test_every_job_sbatch_took_gets_a_record_the_ingest_stores(site: Site, submitted: list[str]) -> None:  # noqa: F811
+    """sguser submits, through gsbatch on the real cluster, a script whose file and job name are not
+    UTF-8 (caf\\xe9) and one with 162,000 directives sbatch ignores (a 15 MB record before). Both
+    records are stored: the bytes kept (base64), the long list cut to 100 entries and a count."""
+    scripts = tempfile.mkdtemp(prefix="sg-scripts-")
+    head = "#!/bin/bash\n#SBATCH -o /dev/null -t 1 --chdir=/tmp -p gpu-small --gres=gpu:t4:1\n"
+    Path(os.fsdecode(os.path.join(os.fsencode(scripts), b"caf\xe9.sh"))).write_bytes(
+        head.encode() + b"#SBATCH --job-name=caf\xe9\ntrue\n")
+    Path(scripts, "ignored.sh").write_text(head + "true\n" + "".join(f"#SBATCH --x{i}\n" for i in range(162_000)))
+    for name in os.listdir(scripts):
+        os.chmod(os.path.join(scripts, name), 0o644)
+    os.chmod(scripts, 0o755)
+    try:
+        printed = as_user(USER, _gsbatch_as_user, scripts, site.subs)
+    finally:
+        shutil.rmtree(scripts)
+    ids = [re.fullmatch(r"0:Submitted batch job (\d+)\n", p) for p in printed]
+    assert all(ids), printed
+    submitted.extend(m.group(1) for m in ids if m)
+    ingest.load_jobs(db.make_engine(site.url), [job(jid, USER) for jid in submitted])  # as sacct will show them
+
+    res = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
+    assert res["code"] == 0 and "2 spool records loaded, 0 rejected" in res["stdout"], res
+    with db.make_engine(site.url).connect() as conn:
+        rows = {r.job_id: r for r in conn.execute(select(db.Submission.job_id, db.Submission.features,
+                                                         db.Submission.original_request))}
+    named, ignored = (rows[jid] for jid in submitted[:2])
+    assert named.features["script_name"] == {"base64": base64.b64encode(b"caf\xe9.sh").decode()}
+    assert named.original_request["job_name"] == {"base64": base64.b64encode(b"caf\xe9").decode()}
+    lines = ignored.original_request["ignored_directives"]
+    assert len(lines) == 101 and lines[0]["text"] == "#SBATCH --x0" and lines[-1] == {"omitted": 161_900}, lines[-1]
+
+
+WRITTEN = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1) | ANY_TEXT
+    | st.text(max_size=1).map(lambda c: c * 5000),
+    lambda inner: st.lists(inner, max_size=3).map(lambda xs: xs * 40) | st.dictionaries(ANY_TEXT, inner, max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=WRITTEN)
+def test_whatever_a_job_says_the_writer_makes_storable(engine: Any, value: Any) -> None:
+    """Any value gsbatch or the daemon puts in a free-form field (bytes that are not UTF-8, NUL, long
+    strings and lists) is written so that the ingest stores the record."""
+    directory = tempfile.mkdtemp(prefix="sg-write-")
+    try:
+        rec = record(features={"script": None, "x": value}, original_request={"x": value})
+        spool.write_record(directory, rec)
+        report = ingest.load_submissions(engine, directory)
+        assert report.files_loaded == 1, report.files_rejected
+    finally:
+        shutil.rmtree(directory)

@@ -28,7 +28,15 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from slurmgpu.history.db import GpuUsage, IngestState, Job, JobScript, ModelVersion, Submission, utcnow
 from slurmgpu.pipeline.decision_tag import DECISION_ID, parse_tag
 from slurmgpu.pipeline.features import hexdigest
-from slurmgpu.pipeline.spool import MAX_RECORD_BYTES, MAX_SCRIPT_BYTES, READ_VERSIONS, SOURCES
+from slurmgpu.pipeline.spool import (
+    FREE_FIELDS,
+    MAX_FIELD_BYTES,
+    MAX_RECORD_BYTES,
+    MAX_SCRIPT_BYTES,
+    READ_VERSIONS,
+    SOURCES,
+    field_size,
+)
 from slurmgpu.slurm import sacct
 
 if TYPE_CHECKING:
@@ -406,6 +414,9 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         raise ValueError(f"version: expected {' or '.join(map(str, READ_VERSIONS))}, "
                          f"got {json.dumps(version)[:20]}")
     _check_json(data, "record")
+    for key in FREE_FIELDS:
+        if key in data and (size := field_size(data[key])) > MAX_FIELD_BYTES:
+            raise ValueError(f"{key}: {size} bytes of JSON, over the {MAX_FIELD_BYTES}-byte limit")
     submitted = _field(data, "submitted_at", (str,))
     try:
         when = datetime.fromisoformat(submitted)
