@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from sqlalchemy import select
 from test_spool_trust import (  # noqa: F401 - accounts and site are fixtures
     CONFIG,
     NIGHTLY,
+    OTHER,
     USER,
     Site,
     accounts,
@@ -31,6 +34,8 @@ from test_spool_trust import (  # noqa: F401 - accounts and site are fixtures
     drop,
     job,
     site,
+    submissions,
+    write,
 )
 
 from slurmgpu.history import db, ingest
@@ -246,3 +251,54 @@ def test_whatever_a_job_says_the_writer_makes_storable(engine: Any, value: Any) 
         assert report.files_loaded == 1, report.files_rejected
     finally:
         shutil.rmtree(directory)
+
+
+# --- item: filling the database ---------------------------------------------------------------------
+
+
+def _many(subs: str, count: int) -> list[str]:
+    return [write(subs, record(None, sbatch_exit=1)) for _ in range(count)]
+
+
+def test_one_users_share_of_a_run_is_bounded(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """sguser floods the spool with records naming no job; one run stores only their share (the rest
+    wait in the spool, under its disk quota), while sgother's records all land."""
+    monkeypatch.setattr(ingest, "USER_FILES_PER_RUN", 5)
+    as_user(USER, _many, site.subs, 8)
+    as_user(OTHER, _many, site.subs, 2)
+    first = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
+    assert "7 spool records loaded, 0 rejected, 3 over their user's share of this run" in first["stdout"], first
+    assert sorted(r["user"] for r in submissions(site.url).values()) == [OTHER] * 2 + [USER] * 5
+    second = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
+    assert "3 spool records loaded, 0 rejected" in second["stdout"] and os.listdir(site.subs) == [], second
+
+
+def test_records_naming_no_job_expire_with_their_scripts(engine: Any, tmp_path: Path) -> None:
+    """A stored record naming no job is deleted after NO_JOB_KEEP with the script text only it named;
+    a newer one, one naming a job and a script another record names stay; a record dated in the
+    future (to dodge the expiry) is set aside."""
+    now = datetime.now(UTC)
+
+    def text(n: int) -> dict[str, Any]:
+        body = f"#!/bin/bash\necho {n}\n"
+        return {"script_text": body, "script_sha256": hashlib.sha256(body.encode()).hexdigest()}
+
+    def at(days: float) -> str:
+        return (now - timedelta(days=days)).strftime("%Y-%m-%dT%H:%M:%S+00:00")
+
+    old, shared_old, new, with_job = (record(None, submitted_at=at(40), **text(1)),
+                                      record(None, submitted_at=at(40), **text(2)),
+                                      record(None, submitted_at=at(10), **text(2)),
+                                      record("100", submitted_at=at(40), **text(3)))
+    future = record(None, submitted_at=at(-3))
+    for rec in (old, shared_old, new, with_job, future):
+        spool.write_record(str(tmp_path), rec)
+    report = ingest.load_submissions(engine, str(tmp_path))
+    assert report.expired == 2 and "2 records naming no job expired" in report.summary()
+    assert report.rejected_kinds == {"malformed": 1} and "is in the future" in report.files_rejected[0]
+    ids = stored_ids(engine)
+    assert new["record_id"] in ids and with_job["record_id"] in ids
+    assert old["record_id"] not in ids and shared_old["record_id"] not in ids
+    with engine.connect() as conn:
+        shas = set(conn.execute(select(db.JobScript.sha256)).scalars())
+    assert text(1)["script_sha256"] not in shas and {text(2)["script_sha256"], text(3)["script_sha256"]} <= shas

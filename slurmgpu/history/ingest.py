@@ -59,6 +59,8 @@ class Report:
         self.rejected_kinds: Counter[str] = Counter()
         self.files_waiting = 0  # their job is not in the accounting yet: left for the next run
         self.files_duplicate = 0  # already stored: removed
+        self.files_deferred = 0  # over their owner's share of this run: left for the next
+        self.expired = 0  # stored records naming no job, past NO_JOB_KEEP: deleted
         self.files_unreadable: list[str] = []  # this account may not read them: left, a set-up problem
         self.files_kept: list[str] = []  # loaded, but this account may not remove them
         self.decisions_linked = 0  # the Lua hook's decisions given their job (by the tag in its comment)
@@ -67,18 +69,22 @@ class Report:
         text = (f"{self.inserted} jobs inserted, {self.updated} updated, {self.unchanged} unchanged, "
                 f"{len(self.errors)} rows rejected")
         if self.files_loaded or self.files_rejected or self.files_waiting or self.files_duplicate \
-                or self.files_unreadable:
+                or self.files_unreadable or self.files_deferred:
             text += f"; {self.files_loaded} spool records loaded, {len(self.files_rejected)} rejected"
             if self.rejected_kinds:
                 text += " (" + ", ".join(f"{n} {k}" for k, n in sorted(self.rejected_kinds.items())) + ")"
             if self.files_duplicate:
                 text += f", {self.files_duplicate} duplicates removed"
+            if self.files_deferred:
+                text += f", {self.files_deferred} over their user's share of this run (left for the next)"
             if self.files_waiting:
                 text += f", {self.files_waiting} waiting for their job in sacct"
             if self.files_unreadable:
                 text += f", {len(self.files_unreadable)} unreadable by this account"
         if self.decisions_linked:
             text += f"; {self.decisions_linked} hook decisions linked to their job"
+        if self.expired:
+            text += f"; {self.expired} records naming no job expired"
         return text
 
 
@@ -251,6 +257,12 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
 # record per transaction.
 
 JOB_WAIT = timedelta(hours=24)  # a record whose job sacct never showed is set aside after this
+# What one user's files may add in one run (the ingest empties the spool, so the spool's disk quota
+# bounds one night only); the rest wait for the next run. Root's and this account's are not counted.
+USER_FILES_PER_RUN = 2000
+USER_BYTES_PER_RUN = 32 << 20
+NO_JOB_KEEP = timedelta(days=30)  # a stored record naming no job (sbatch refused it; a hook decision never linked)
+FUTURE_SLACK = timedelta(days=1)  # a record dated later than this ahead would dodge NO_JOB_KEEP
 BATCH_FILES = 256
 BATCH_BYTES = 16 << 20
 _JOB_ID = re.compile(r"\d{1,10}(?:[_+]\d{1,10})?")  # as sbatch prints it
@@ -430,6 +442,8 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         raise ValueError(f"submitted_at: {json.dumps(submitted)[:60]} out of range") from None
     if not 1970 <= when.year <= 2999:
         raise ValueError(f"submitted_at: year {when.year} out of range")
+    if when > utcnow() + FUTURE_SLACK:
+        raise ValueError(f"submitted_at: {submitted[:40]} is in the future")
     exit_code = _field(data, "sbatch_exit", (int,), nullable=True)
     if exit_code is not None and not -(2**31) < exit_code < 2**31:
         raise ValueError("sbatch_exit: out of range")
@@ -716,6 +730,7 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
         return report
     batch: list[SpoolFile] = []
     size = 0
+    shares: dict[int, list[int]] = {}  # uid: [files, bytes] read this run
     for name in names:
         path = os.path.join(directory, name)
         try:
@@ -728,6 +743,13 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
             continue
         if f is None:
             continue
+        if f.uid not in trusted:
+            share = shares.setdefault(f.uid, [0, 0])
+            if share[0] >= USER_FILES_PER_RUN or share[1] + len(f.data) > USER_BYTES_PER_RUN:
+                report.files_deferred += 1
+                continue
+            share[0] += 1
+            share[1] += len(f.data)
         batch.append(f)
         size += len(f.data)
         if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
@@ -859,7 +881,28 @@ def load_submissions(engine: Engine, directory: str, report: Report | None = Non
     daemon's decisions to their jobs (``link_decisions``)."""
     report = _drain(engine, directory, SUBMISSIONS, report or Report(), trusted)
     report.decisions_linked += link_decisions(engine)
+    report.expired += expire_unlinked(engine)
     return report
+
+
+def expire_unlinked(engine: Engine, now: datetime | None = None) -> int:
+    """Delete stored records naming no job older than NO_JOB_KEEP, and the script texts only they
+    named: no job will claim them, and without this a user could fill the store with them night
+    after night. Returns how many were deleted."""
+    cutoff = (now or utcnow()) - NO_JOB_KEEP
+    sub, scripts = cast(Table, Submission.__table__), cast(Table, JobScript.__table__)
+    old = (sub.c.job_id.is_(None)) & (sub.c.submitted_at < cutoff)
+    with engine.begin() as conn:
+        shas = set(conn.execute(select(sub.c.script_sha256).where(old, sub.c.script_sha256.isnot(None))).scalars())
+        gone = conn.execute(sub.delete().where(old)).rowcount
+        ordered = sorted(shas)
+        for start in range(0, len(ordered), 500):
+            part = ordered[start:start + 500]
+            named = set(conn.execute(select(sub.c.script_sha256).where(sub.c.script_sha256.in_(part))).scalars())
+            unnamed = [s for s in part if s not in named]
+            if unnamed:
+                conn.execute(scripts.delete().where(scripts.c.sha256.in_(unnamed)))
+    return gone
 
 
 # --- GPU collector records ------------------------------------------------------------------
