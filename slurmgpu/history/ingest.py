@@ -28,7 +28,15 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from slurmgpu.history.db import GpuUsage, IngestState, Job, JobScript, ModelVersion, Submission, utcnow
 from slurmgpu.pipeline.decision_tag import DECISION_ID, parse_tag
 from slurmgpu.pipeline.features import hexdigest
-from slurmgpu.pipeline.spool import MAX_RECORD_BYTES, MAX_SCRIPT_BYTES, READ_VERSIONS, SOURCES
+from slurmgpu.pipeline.spool import (
+    FREE_FIELDS,
+    MAX_FIELD_BYTES,
+    MAX_RECORD_BYTES,
+    MAX_SCRIPT_BYTES,
+    READ_VERSIONS,
+    SOURCES,
+    field_size,
+)
 from slurmgpu.slurm import sacct
 
 if TYPE_CHECKING:
@@ -47,10 +55,12 @@ class Report:
         self.inserted = self.updated = self.unchanged = 0
         self.errors: list[sacct.RowError] = []
         self.files_loaded = 0
-        self.files_rejected: list[str] = []  # "path: kind: reason", each renamed *.rejected
+        self.files_rejected: list[str] = []  # "path: kind: reason", each renamed *.rejected (_set_aside)
         self.rejected_kinds: Counter[str] = Counter()
         self.files_waiting = 0  # their job is not in the accounting yet: left for the next run
         self.files_duplicate = 0  # already stored: removed
+        self.files_deferred = 0  # over their owner's share of this run: left for the next
+        self.expired = 0  # stored records naming no job, past NO_JOB_KEEP: deleted
         self.files_unreadable: list[str] = []  # this account may not read them: left, a set-up problem
         self.files_kept: list[str] = []  # loaded, but this account may not remove them
         self.decisions_linked = 0  # the Lua hook's decisions given their job (by the tag in its comment)
@@ -59,18 +69,22 @@ class Report:
         text = (f"{self.inserted} jobs inserted, {self.updated} updated, {self.unchanged} unchanged, "
                 f"{len(self.errors)} rows rejected")
         if self.files_loaded or self.files_rejected or self.files_waiting or self.files_duplicate \
-                or self.files_unreadable:
+                or self.files_unreadable or self.files_deferred:
             text += f"; {self.files_loaded} spool records loaded, {len(self.files_rejected)} rejected"
             if self.rejected_kinds:
                 text += " (" + ", ".join(f"{n} {k}" for k, n in sorted(self.rejected_kinds.items())) + ")"
             if self.files_duplicate:
                 text += f", {self.files_duplicate} duplicates removed"
+            if self.files_deferred:
+                text += f", {self.files_deferred} over their user's share of this run (left for the next)"
             if self.files_waiting:
                 text += f", {self.files_waiting} waiting for their job in sacct"
             if self.files_unreadable:
                 text += f", {len(self.files_unreadable)} unreadable by this account"
         if self.decisions_linked:
             text += f"; {self.decisions_linked} hook decisions linked to their job"
+        if self.expired:
+            text += f"; {self.expired} records naming no job expired"
         return text
 
 
@@ -243,6 +257,12 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
 # record per transaction.
 
 JOB_WAIT = timedelta(hours=24)  # a record whose job sacct never showed is set aside after this
+# What one user's files may add in one run (the ingest empties the spool, so the spool's disk quota
+# bounds one night only); the rest wait for the next run. Root's and this account's are not counted.
+USER_FILES_PER_RUN = 2000
+USER_BYTES_PER_RUN = 32 << 20
+NO_JOB_KEEP = timedelta(days=30)  # a stored record naming no job (sbatch refused it; a hook decision never linked)
+FUTURE_SLACK = timedelta(days=1)  # a record dated later than this ahead would dodge NO_JOB_KEEP
 BATCH_FILES = 256
 BATCH_BYTES = 16 << 20
 _JOB_ID = re.compile(r"\d{1,10}(?:[_+]\d{1,10})?")  # as sbatch prints it
@@ -406,6 +426,9 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         raise ValueError(f"version: expected {' or '.join(map(str, READ_VERSIONS))}, "
                          f"got {json.dumps(version)[:20]}")
     _check_json(data, "record")
+    for key in FREE_FIELDS:
+        if key in data and (size := field_size(data[key])) > MAX_FIELD_BYTES:
+            raise ValueError(f"{key}: {size} bytes of JSON, over the {MAX_FIELD_BYTES}-byte limit")
     submitted = _field(data, "submitted_at", (str,))
     try:
         when = datetime.fromisoformat(submitted)
@@ -413,9 +436,14 @@ def parse_submission(f: SpoolFile) -> dict[str, Any]:
         raise ValueError(f"submitted_at: expected an ISO-8601 time, got {json.dumps(submitted)[:60]}") from None
     if when.tzinfo is None:
         raise ValueError("submitted_at: expected a time with its UTC offset")
-    when = when.astimezone(UTC).replace(tzinfo=None)
+    try:  # an offset can carry 0001-01-01 or 9999-12-31 past datetime's range
+        when = when.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:
+        raise ValueError(f"submitted_at: {json.dumps(submitted)[:60]} out of range") from None
     if not 1970 <= when.year <= 2999:
         raise ValueError(f"submitted_at: year {when.year} out of range")
+    if when > utcnow() + FUTURE_SLACK:
+        raise ValueError(f"submitted_at: {submitted[:40]} is in the future")
     exit_code = _field(data, "sbatch_exit", (int,), nullable=True)
     if exit_code is not None and not -(2**31) < exit_code < 2**31:
         raise ValueError("sbatch_exit: out of range")
@@ -534,8 +562,8 @@ def _linked(f: SpoolFile, cluster: str, job_id: str | None, users: dict[tuple[st
         return _Verdict(STORE)
     owners = users.get((cluster, job_id))
     if not owners:
-        age = now - datetime.fromtimestamp(f.mtime, UTC).replace(tzinfo=None)
-        if age > JOB_WAIT:
+        # in seconds, not datetimes: the owner sets the mtime, and one past year 9999 overflows a datetime
+        if now.replace(tzinfo=UTC).timestamp() - f.mtime > JOB_WAIT.total_seconds():
             return _Verdict("job unknown", f"job {cluster}/{job_id} not in the accounting after "
                                            f"{JOB_WAIT.total_seconds() / 3600:.0f} h")
         return _Verdict(WAIT)
@@ -702,6 +730,7 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
         return report
     batch: list[SpoolFile] = []
     size = 0
+    shares: dict[int, list[int]] = {}  # uid: [files, bytes] read this run
     for name in names:
         path = os.path.join(directory, name)
         try:
@@ -714,6 +743,13 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
             continue
         if f is None:
             continue
+        if f.uid not in trusted:
+            share = shares.setdefault(f.uid, [0, 0])
+            if share[0] >= USER_FILES_PER_RUN or share[1] + len(f.data) > USER_BYTES_PER_RUN:
+                report.files_deferred += 1
+                continue
+            share[0] += 1
+            share[1] += len(f.data)
         batch.append(f)
         size += len(f.data)
         if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
@@ -725,8 +761,23 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
 
 
 def _set_aside(path: str, kind: str, reason: str, report: Report) -> None:
+    """Rename the file ``*.rejected`` (never read again) and report it. A name too long to take the
+    suffix is cut to a short one that still starts like it and ends with a hash of the whole name, so
+    it is not re-read and re-reported every night."""
+    target = path + ".rejected"
     try:
-        os.replace(path, path + ".rejected")
+        try:
+            os.replace(path, target)
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            directory, name = os.path.split(path)
+            start = name[:100]
+            while len(os.fsencode(start)) > 100:  # whole characters, 100 bytes at most
+                start = start[:-1]
+            target = os.path.join(directory, f"{start}~{hexdigest('sha256', os.fsencode(name))[:16]}.rejected")
+            os.replace(path, target)
+            reason += f" (renamed {shown(os.path.basename(target))}: its name is too long to take .rejected)"
     except OSError as exc:
         reason += f" (could not be renamed: {exc.strerror})"
     report.files_rejected.append(f"{shown(path)}: {kind}: {reason}")
@@ -748,14 +799,12 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
     for f in files:
         try:
             parsed.append((f, kind.parse(f)))
-        except (ValueError, TypeError, KeyError) as exc:
-            _set_aside(f.path, "malformed", str(exc).removeprefix(f"{f.path}: "), report)
+        except Exception as exc:  # noqa: BLE001 - whatever one file does to the parser, the run goes on
+            _set_aside(f.path, "malformed", _why(exc).removeprefix(f"{f.path}: "), report)
     if not parsed:
         return
-    with engine.connect() as conn:
-        verdicts = kind.admit(conn, parsed, trusted, utcnow())
     chosen: list[tuple[SpoolFile, dict[str, Any]]] = []
-    for (f, row), verdict in zip(parsed, verdicts, strict=True):
+    for (f, row), verdict in _admitted(engine, kind, parsed, trusted, report):
         if verdict.action == STORE:
             chosen.append((f, row))
         elif verdict.action == WAIT:
@@ -771,7 +820,7 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
         with engine.begin() as conn:
             kind.store(conn, [row for _, row in chosen])
         stored = chosen
-    except (DBAPIError, UnicodeError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - one record's fault: found below, one record at a time
         if _connection_problem(exc):
             raise
         stored = []
@@ -783,7 +832,7 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
             except IntegrityError:
                 report.files_duplicate += 1  # a concurrent ingest stored it first
                 _remove(f.path, report)
-            except (DBAPIError, UnicodeError, ValueError, TypeError) as one:
+            except Exception as one:  # noqa: BLE001 - this record's alone: it is set aside, the run goes on
                 if _connection_problem(one):
                     raise
                 first = str(getattr(one, "orig", one)).strip().splitlines() or [type(one).__name__]
@@ -791,6 +840,27 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
     report.files_loaded += len(stored)
     for f, _ in stored:
         _remove(f.path, report)
+
+
+def _why(exc: Exception) -> str:
+    """A check's own message, or an unforeseen failure named by its type."""
+    return str(exc) if isinstance(exc, ValueError | TypeError | KeyError) else f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+def _admitted(engine: Engine, kind: _SpoolKind, parsed: list[tuple[SpoolFile, dict[str, Any]]],
+              trusted: Collection[int], report: Report) -> list[tuple[tuple[SpoolFile, dict[str, Any]], _Verdict]]:
+    """Each parsed record with its verdict. Checks that fail for a batch are run one record at a time,
+    and a record they still fail on is set aside: one record never stops the run."""
+    try:
+        with engine.connect() as conn:
+            return list(zip(parsed, kind.admit(conn, parsed, trusted, utcnow()), strict=True))
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        if _connection_problem(exc):
+            raise
+        if len(parsed) > 1:
+            return [one for item in parsed for one in _admitted(engine, kind, [item], trusted, report)]
+        _set_aside(parsed[0][0].path, "unexpected error", _why(exc), report)
+        return []
 
 
 def _connection_problem(exc: BaseException) -> bool:
@@ -811,7 +881,28 @@ def load_submissions(engine: Engine, directory: str, report: Report | None = Non
     daemon's decisions to their jobs (``link_decisions``)."""
     report = _drain(engine, directory, SUBMISSIONS, report or Report(), trusted)
     report.decisions_linked += link_decisions(engine)
+    report.expired += expire_unlinked(engine)
     return report
+
+
+def expire_unlinked(engine: Engine, now: datetime | None = None) -> int:
+    """Delete stored records naming no job older than NO_JOB_KEEP, and the script texts only they
+    named: no job will claim them, and without this a user could fill the store with them night
+    after night. Returns how many were deleted."""
+    cutoff = (now or utcnow()) - NO_JOB_KEEP
+    sub, scripts = cast(Table, Submission.__table__), cast(Table, JobScript.__table__)
+    old = (sub.c.job_id.is_(None)) & (sub.c.submitted_at < cutoff)
+    with engine.begin() as conn:
+        shas = set(conn.execute(select(sub.c.script_sha256).where(old, sub.c.script_sha256.isnot(None))).scalars())
+        gone = conn.execute(sub.delete().where(old)).rowcount
+        ordered = sorted(shas)
+        for start in range(0, len(ordered), 500):
+            part = ordered[start:start + 500]
+            named = set(conn.execute(select(sub.c.script_sha256).where(sub.c.script_sha256.in_(part))).scalars())
+            unnamed = [s for s in part if s not in named]
+            if unnamed:
+                conn.execute(scripts.delete().where(scripts.c.sha256.in_(unnamed)))
+    return gone
 
 
 # --- GPU collector records ------------------------------------------------------------------

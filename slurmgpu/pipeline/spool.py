@@ -12,6 +12,7 @@ never sees half a record. See "Security model: spools and the nightly account" i
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import json
@@ -30,6 +31,10 @@ READ_VERSIONS = (1, 2)
 SOURCES = ("gsbatch", "lua")
 MAX_RECORD_BYTES = 1 << 20  # the ingest reads no larger file
 MAX_SCRIPT_BYTES = 512 << 10  # a script's text rides in its record up to this size (UTF-8 bytes)
+# Each free-form field (features, original_request, decision) at most this much JSON (``field_size``):
+# the writer cuts long lists and strings to fit (``fitted``), the ingest stores no larger one.
+MAX_FIELD_BYTES = 64 << 10
+FREE_FIELDS = ("features", "original_request", "decision")
 PERSONAL_SPOOL = os.path.join("~", ".local", "share", "slurmgpu", "spool")
 
 
@@ -110,11 +115,75 @@ def record_mode(directory: str) -> int:
         return 0o600  # the write itself will fail and say why
 
 
+def field_size(value: Any) -> int:
+    """A field's size as the record holds it (compact JSON, ASCII escapes)."""
+    return len(json.dumps(value, separators=(",", ":"), sort_keys=True))
+
+
+def storable(value: Any, items: int = 100, chars: int = 4096) -> Any:
+    """``value`` as a database stores it, whatever the job said: a string that is not UTF-8 (a file or
+    job name's bytes, read with surrogateescape) or holds NUL becomes ``{"base64": its bytes}``, the
+    bytes kept; a key of that kind becomes its text with ``\\xNN`` escapes (a key must be a string);
+    a list or object longer than ``items`` keeps its first ones and ends with ``{"omitted": count}``
+    (an object: key ``"omitted"``); a string longer than ``chars`` keeps its start and says how much
+    was cut."""
+    if isinstance(value, str):
+        if _unstorable(value):
+            return {"base64": base64.b64encode(_raw(value)).decode()}
+        return value if len(value) <= chars else f"{value[:chars]}... [{len(value) - chars} characters omitted]"
+    if isinstance(value, list | tuple):
+        kept = [storable(v, items, chars) for v in value[:items]]
+        return kept + [{"omitted": len(value) - items}] if len(value) > items else kept
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+        out = {_key(k, chars): storable(v, items, chars) for k, v in pairs[:items]}
+        if len(pairs) > items:
+            out["omitted"] = len(pairs) - items
+        return out
+    return value
+
+
+def fitted(value: Any) -> Any:
+    """``storable(value)`` cut harder until it is at most MAX_FIELD_BYTES; at worst only its size."""
+    for items, chars in ((100, 4096), (10, 256), (1, 32)):
+        out = storable(value, items, chars)
+        if field_size(out) <= MAX_FIELD_BYTES:
+            return out
+    return {"omitted_bytes": field_size(storable(value))}
+
+
+def _unstorable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return "\0" in text
+
+
+def _raw(text: str) -> bytes:
+    """The bytes a string was read from: surrogateescape gives them back; any other lone surrogate is
+    kept as its own (invalid) UTF-8 encoding."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _key(key: Any, chars: int) -> str:
+    text = key if isinstance(key, str) else str(key)
+    if _unstorable(text):
+        text = _raw(text).decode("utf-8", "backslashreplace").replace("\0", "\\x00")
+    return text[:chars]
+
+
 def write_record(directory: str, record: Mapping[str, Any]) -> str:
     """Write one submission record atomically, readable by its owner (and, in a setgid spool, by the
-    spool's group); returns its path. A record the ingest would find too large goes without its
-    script text (JSON escapes can make a text of MAX_SCRIPT_BYTES larger than the file limit)."""
+    spool's group); returns its path. The free-form fields are made storable and cut to fit
+    (``fitted``), so the ingest stores every record of a job sbatch took. A record the ingest would
+    still find too large goes without its script text (JSON escapes can make a text of
+    MAX_SCRIPT_BYTES larger than the file limit)."""
     path = os.path.join(directory, f"sub-{record['record_id']}.json")
+    record = {**record, **{k: fitted(record[k]) for k in FREE_FIELDS if k in record}}
     data = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
     if len(data) > MAX_RECORD_BYTES and record.get("script_text") is not None:
         data = json.dumps({**record, "script_text": None}, separators=(",", ":"), sort_keys=True).encode()
