@@ -35,6 +35,7 @@ bench: install cluster-up
 	$(PY) benchmarks/bench_serve.py
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_workload.py
+	$(PY) benchmarks/bench_large_scripts.py
 
 # Policies side by side on a generated ~50k-job workload, simulated (results and plots in scenario-report/).
 evaluate: install

@@ -286,8 +286,8 @@ class Server:
         the GIL is not released while a regular expression backtracks (a 120 KB script held it for
         5 s), so CPU spent here on one request would stall every answer and health check; a child
         has its own, and is killed when its time is up. It sends one JSON line, the reply, then one
-        per decision record it made (the reply is passed on when the child is done) (built there: a record reads the script too), which the writer
-        thread here writes."""
+        per decision record it made (built there: a record reads the script too), which the writer
+        thread here writes; the reply is passed on when the child is done, its records queued first."""
         records = self.service.records
         with self.forking:  # no other child may inherit this pipe's write end: its EOF would wait
             read_end, write_end = os.pipe()

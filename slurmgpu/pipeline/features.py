@@ -8,6 +8,7 @@ run of the same training with another learning rate or batch size lands in the s
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shlex
@@ -50,6 +51,7 @@ _OPTION_VALUE = {
     "deepspeed": ("--deepspeed", "--deepspeed_config", "--deepspeed-config"),
     "image_size": ("--image-size", "--image_size", "--img-size", "--resolution"),
 }
+_KEY_OF = {spelling: key for key, spellings in _OPTION_VALUE.items() for spelling in spellings}
 _FLAGS = {
     "fp16": ("--fp16", "--amp", "--half", "--mixed-precision=fp16", "--mixed_precision=fp16"),
     "bf16": ("--bf16", "--mixed-precision=bf16", "--mixed_precision=bf16", "--mixed-precision bf16",
@@ -89,7 +91,7 @@ def hexdigest(algorithm: str, data: bytes) -> str:
 def command_lines(script: str) -> list[str]:
     """The script's command lines (not comments, not directives), continuation lines joined."""
     text = script.replace("\\\n", " ")
-    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [ln for ln in map(str.strip, text.splitlines()) if ln and ln[0] != "#"]
 
 
 def main_command(lines: list[str]) -> str:
@@ -101,23 +103,32 @@ def main_command(lines: list[str]) -> str:
     return lines[-1] if lines else ""
 
 
-def _words(line: str) -> list[str]:
+_PLAIN_WORD = re.compile(r"[^ \t\r\n]+")  # a word between shlex's whitespace
+
+
+def shell_words(line: str, posix: bool = True) -> list[str]:
+    """``shlex.split(line, comments=posix, posix=posix)``, or ``line.split()`` where that fails. A
+    line with nothing shlex reads specially (quotes; in posix mode backslashes and comments too) is
+    split in C: shlex reads one character at a time in Python, seconds on a megabyte line."""
+    if not any(c in line for c in ("\"'\\#" if posix else "\"'")):
+        return _PLAIN_WORD.findall(line)
     try:
-        return shlex.split(line, comments=True)
+        return shlex.split(line, comments=posix, posix=posix)
     except ValueError:
         return line.split()
 
 
 def option_values(words: list[str]) -> dict[str, str]:
+    """The first value each _OPTION_VALUE key is given (``--name=value`` or ``--name value``)."""
     out: dict[str, str] = {}
     for i, w in enumerate(words):
         name, eq, val = w.partition("=")
-        for key, spellings in _OPTION_VALUE.items():
-            if name in spellings and key not in out:
-                if eq:
-                    out[key] = val
-                elif i + 1 < len(words) and not words[i + 1].startswith("--"):
-                    out[key] = words[i + 1]
+        key = _KEY_OF.get(name)
+        if key is not None and key not in out:
+            if eq:
+                out[key] = val
+            elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+                out[key] = words[i + 1]
     return out
 
 
@@ -125,7 +136,7 @@ def family_key(command: str) -> str:
     """Same command with other numbers, paths or quoting: the same family; but the model stays
     whole (resnet18 and resnet152, llama-7b and 70b are different families: what drives memory
     and time is the model), and so does a parameter count written anywhere (``7b``, ``350m``)."""
-    words = _words(command)
+    words = shell_words(command)
     model_values = {i + 1 for i, w in enumerate(words[:-1]) if w in _OPTION_VALUE["model"]}
     norm = []
     for i, word in enumerate(words):
@@ -204,10 +215,16 @@ def _num(text: str | None, default: float) -> float:
 
 
 def script_features(script: str) -> dict[str, Any]:
-    """What the script says about the work: model, batch, sequence, precision, tricks."""
+    """What the script says about the work: model, batch, sequence, precision, tricks. Read once
+    per script (a submission's decider and its record both ask; a large script costs time to read)."""
+    return dict(_script_features(script))
+
+
+@functools.lru_cache(maxsize=2)
+def _script_features(script: str) -> dict[str, Any]:
     lines = command_lines(script)
     command = main_command(lines)
-    words = _words(command)
+    words = shell_words(command)
     opts = option_values(words)
     lowered = " ".join(lines).lower()
     flags = {k: int(any(s in lowered for s in spellings)) for k, spellings in _FLAGS.items()}

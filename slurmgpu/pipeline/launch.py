@@ -21,10 +21,9 @@ elsewhere in the script says nothing of how many processes the program starts.
 from __future__ import annotations
 
 import re
-import shlex
 from typing import TYPE_CHECKING, NamedTuple
 
-from slurmgpu.pipeline.features import command_lines
+from slurmgpu.pipeline.features import command_lines, shell_words
 from slurmgpu.pipeline.sbatch_options import BY_SHORT, Arg, OptionError, lookup_long
 
 if TYPE_CHECKING:
@@ -50,9 +49,14 @@ _OTHER_LAYOUT = ("--include", "-i", "--hostfile", "-H", "--hosts", "-npernode", 
 # A program's own GPU-count option (PyTorch Lightning's --devices, many scripts' --gpus).
 _PROGRAM_COUNT = re.compile(r"(?:^|\s)(?:--devices|--gpus|--num[_-]gpus|--n[_-]gpus|--nproc|--world[_-]size)(?:=|\s+)"
                             r"(?P<v>\S+)")
-# What follows the GPUs Slurm gives the job, in a count or in a variable a count reads.
+# What follows the GPUs Slurm gives the job, in a count or in a variable a count reads: one of
+# _GPU_SOURCE, or $CUDA_VISIBLE_DEVICES with a counting word after it (_COUNTED after _CVD). Two
+# searches, not one ``CUDA_VISIBLE_DEVICES.*(?:wc|...)``: that backtracks over the rest of the line
+# at every mention, quadratic in a line that repeats it (a 242 KB line took 9 s).
 _GPU_SOURCE = re.compile(r"\$\{?SLURM_GPUS_ON_NODE\b|nvidia-smi\s+(?:-L|--list-gpus)|torch\.cuda\.device_count\(\)"
-                         r"|\$\{?CUDA_VISIBLE_DEVICES\b.*(?:wc|tr|awk|#|len)|\$\{#CUDA_VISIBLE_DEVICES")
+                         r"|\$\{#CUDA_VISIBLE_DEVICES")
+_CVD = re.compile(r"\$\{?CUDA_VISIBLE_DEVICES\b")
+_COUNTED = re.compile(r"wc|tr|awk|#|len")
 _ASSIGN = re.compile(r"^(?:export\s+)?(?P<var>[A-Za-z_]\w*)=(?P<val>.*)$")
 _VAR = re.compile(r"^\$(?:\{(?P<a>\w+)(?::-(?P<d>[^}]*))?\}|(?P<b>\w+))$")
 _HEREDOC = re.compile(r"<<-?\s*['\"]?(?P<end>\w+)['\"]?")
@@ -83,12 +87,20 @@ def _lines(script: str) -> list[str]:
     return [ln for ln in out if ln]
 
 
+def _reads_gpus(text: str) -> bool:
+    """Whether TEXT counts the GPUs Slurm gives the job (linear time: see _GPU_SOURCE)."""
+    if _GPU_SOURCE.search(text):
+        return True
+    mention = _CVD.search(text)
+    return mention is not None and _COUNTED.search(text, mention.end()) is not None
+
+
 def _value(text: str, variables: dict[str, int | None]) -> int | None:
     """A count as written: a number, FOLLOWS, or None (unknown); quotes and plain variables read."""
     text = text.strip("'\"")
     if text.isdigit():
         return int(text)
-    if text in ("gpu", "auto") or _GPU_SOURCE.search(text):
+    if text in ("gpu", "auto") or _reads_gpus(text):
         return FOLLOWS
     m = _VAR.match(text)
     if m:
@@ -98,13 +110,6 @@ def _value(text: str, variables: dict[str, int | None]) -> int | None:
         default = m.group("d")
         return int(default) if default and default.isdigit() and name == "SLURM_GPUS_ON_NODE" else None
     return None
-
-
-def _words(text: str) -> list[str]:
-    try:
-        return shlex.split(text, posix=False)
-    except ValueError:
-        return text.split()
 
 
 def _options(kind: str, words: list[str]) -> list[str] | None:
@@ -138,7 +143,7 @@ def _takes_value(word: str) -> bool:
 def _launch_count(kind: str, rest: str, variables: dict[str, int | None]) -> tuple[int | None, str] | None:
     """The count a launcher's own options give (value, as written); None where it has none of its
     own (srun without -n, deepspeed without --num_gpus); (None, ...) where it cannot be known."""
-    words = _options(kind, _words(rest))
+    words = _options(kind, shell_words(rest, posix=False))
     if words is None:
         return None, ""
     names = _COUNT_OPTIONS[kind]
@@ -210,7 +215,7 @@ def launch_need(script: str, per_task: bool = False) -> LaunchNeed:
         if (m := _ASSIGN.match(line)) and not _LAUNCHER.search(line):
             value = m.group("val").strip().strip("'\"")
             variables[m.group("var")] = int(value) if value.isdigit() else \
-                FOLLOWS if _GPU_SOURCE.search(value) else None
+                FOLLOWS if _reads_gpus(value) else None
             continue
         what, n, written = _read(line, variables, per_task)
         found.setdefault(what, []).append((n, written))

@@ -41,15 +41,17 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
     ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's."""
     request = build_request(script, options, env, gpu_features)
     ask = gpu_mem_ask(script, gpu_mem)
+    # Over the budget the decider reads the request alone, as for a job without a script.
+    read = request._replace(script=None) if over_budget(script) else request
     if no_rewrite or (script is not None and script.keep_marker):
         why = "--no-rewrite given; request kept" if no_rewrite or script is None else script.keep_reason
         decision = KeepDecider(why).decide(request)
         if ask is not None:
             decision = decision._replace(reasons=(*decision.reasons, f"{ask.label} not applied: {why}"))
     elif ask is not None:
-        decision = decide_gpu_mem(decider, request, ask)
+        decision = decide_gpu_mem(decider, read, ask)
     else:
-        decision = decider.decide(request)
+        decision = decider.decide(read)
     try:
         submission = apply(request, decision)
     except RewriteError as exc:
@@ -88,6 +90,28 @@ def gpu_mem_ask(script: BatchScript | None, cli: str | None) -> GpuMemAsk | None
         raise exc.located(file=script.path, line=line) from None
 
 
+# The most characters of commands (the script after its directives) a decision reads. Reading is
+# linear, but not free: Slurm takes a 4 MB script in 40 ms, and reading one took gsbatch seconds.
+# Past it the decision rests on the directives alone; they end at the first command, so every one
+# sbatch reads is still read (the request is the same).
+READ_BUDGET = 64 * 1024
+
+
+def commands_size(script: BatchScript) -> int:
+    """Characters from the script's first command line to its end (0 without commands)."""
+    first = script.first_command_line
+    return 0 if first is None else len(script.text) - script.line_starts[first - 1]
+
+
+def over_budget(script: BatchScript | None) -> bool:
+    return script is not None and commands_size(script) > READ_BUDGET
+
+
+def budget_note(script: BatchScript) -> str:
+    return (f"{script.path}: its commands are {commands_size(script) / 1024:.0f} KiB, more than gsbatch reads "
+            f"({READ_BUDGET // 1024} KiB): decided from its #SBATCH directives alone")
+
+
 LEGACY_KEEP_NOTE = ("'#SLURMGPU keep' is deprecated: plain sbatch refuses a script with it (\"Change from #SLURM "
                     "to #SBATCH\"); write '#GSBATCH --no-rewrite' instead, which sbatch ignores")
 
@@ -96,6 +120,7 @@ def notes(plan: Plan) -> list[str]:
     """What the user should hear about the script itself, one line each."""
     script = plan.request.script if plan.request else None
     said = [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
+    said += [budget_note(script)] if script is not None and over_budget(script) else []
     # --gpu-mem asked but not applied (an opt-out, or a decider that changes nothing): said, not silent
     return said + [r for r in plan.decision.reasons if r.startswith(GPU_MEM + " ") and " not applied: " in r]
 
@@ -107,9 +132,9 @@ def record_fields(plan: Plan) -> dict[str, Any]:
 
     script = plan.request.script if plan.request else None
     features = None
-    if script is not None:
+    if script is not None and not over_budget(script):  # over it, the record goes without, as the decider did
         try:
-            features = script_features(script.text)
+            features = script_features(script.text)  # read once: the decider's, when it read them
         except ValueError:  # e.g. a byte that is not UTF-8 in the command: the record goes without
             features = None
     return {"script_sha256": hexdigest("sha256", script.data) if script else None,

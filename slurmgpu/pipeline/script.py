@@ -34,6 +34,8 @@ _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace(), not Unicode's
 # not start with '#' have passed (the first command does not stop it). --ignore-pbs skips both.
 WRAPPERS = ("#BSUB", "#PBS")
 _WRAPPER_LINES = 100
+_PLAIN = re.compile(r"[^ \t\n\v\f\r]+")  # a word between _SPACE, on a line without _QUOTING
+_QUOTING = re.compile(r"[\\\"'#]")  # what _get_argument reads specially
 
 # sbatch's own words for scripts it refuses (src/sbatch/sbatch.c).
 NOT_A_SCRIPT = ("This does not look like a batch script.  The first line must start with #! "
@@ -151,7 +153,12 @@ def check_acceptable(data: bytes, path: str) -> None:
 
 def tokenize(text: str, start: int, end: int, path: str, lineno: int) -> list[Word]:
     """Split text[start:end] into words as sbatch's _get_argument does."""
-    words: list[Word] = []
+    if _QUOTING.search(text, start, end) is None:  # no quote, escape or comment: split in C
+        words = [Word(m.group(), m.start(), m.end()) for m in _PLAIN.finditer(text, start, end)]
+        if any(w.text.startswith(":") for w in words):
+            raise InputError("Unexpected `:`", file=path, line=lineno)
+        return words
+    words = []
     i = start
     while True:
         while i < end and text[i] in _SPACE:
