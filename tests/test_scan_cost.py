@@ -171,3 +171,43 @@ def test_gsbatch_submits_a_large_script_with_one_note(tmp_path: Path, sample_con
     assert plain.returncode == 0 and res.returncode == 0, res.stderr
     notes = [line for line in res.stderr.splitlines() if "directives alone" in line]
     assert len(notes) == 1 and notes[0].startswith("gsbatch: note: ") and "large.sh" in notes[0], res.stderr
+
+
+def _directive_heavy(lines: int) -> str:
+    return "#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\n" + "#SBATCH --comment=abc\n" * lines + "srun true\n"
+
+
+def test_past_the_directive_budget_the_script_is_not_read() -> None:
+    from slurmgpu.pipeline.script import DIRECTIVE_BUDGET, Unread, parse_script
+
+    parse_script(_directive_heavy(DIRECTIVE_BUDGET - 1).encode(), "ok.sh")  # read: two lines to spare
+    with pytest.raises(Unread, match=r"heavy.sh: 2,002 directive lines"):
+        parse_script(_directive_heavy(DIRECTIVE_BUDGET + 1).encode(), "heavy.sh")
+
+
+@pytest.mark.slurm
+def test_a_directive_heavy_script_goes_as_written_with_one_note(tmp_path: Path, sample_config: Path,
+                                                               submitted: list[str]) -> None:
+    """177k #SBATCH lines (3.9 MB) cost gsbatch seconds to read, sbatch 40 ms: submitted as written
+    (the rules would move this a100 job out of gpu-small), recorded, and said once."""
+    import json
+
+    path = tmp_path / "heavy.sh"
+    path.write_text(_directive_heavy(177_000))
+    spool = tmp_path / "spool"
+    spool.mkdir(mode=0o700)
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
+           "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "SLURMGPU_SOCKET": str(tmp_path / "none.sock"),
+           "SLURMGPU_SUBMISSION_SPOOL": str(spool), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    res = subprocess.run([str(BIN / "gsbatch"), "--hold", "--parsable", str(path)], capture_output=True, text=True,
+                         env=env, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    submitted.append(job)
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=True).stdout
+    assert "Partition=gpu-small" in shown and "gres/gpu:a100=1" in shown
+    assert [line for line in res.stderr.splitlines() if line.startswith("gsbatch:")] == [
+        f"gsbatch: note: {path}: 177,001 directive lines, more than gsbatch reads (2,000): not read, "
+        "submitted as written"]
+    [record] = [json.loads(p.read_text()) for p in spool.iterdir()]
+    assert record["job_id"] == job and record["decision"]["decider"] == "keep" and not record["changed"]

@@ -151,19 +151,22 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
          stdin_data: bytes | None = None) -> Plan:
     """Parse, decide and rewrite in this process; raises InputError for bad user input.
     A script on stdin is ``stdin_data`` when the caller already read it, else read here."""
-    from slurmgpu.pipeline.plan import make_plan
-    from slurmgpu.pipeline.script import parse_script, read_script
+    from slurmgpu.pipeline.plan import make_plan, unread_plan
+    from slurmgpu.pipeline.script import Unread, decode, parse_script, read_script
 
     script = None
     if inv.wrap or inv.script is not None:
         stdin_data = None
     if not inv.wrap:
-        if inv.script is not None:
-            script = read_script(inv.script)
-        else:
-            if stdin_data is None:
-                stdin_data = read_stdin(stdin)
-            script = parse_script(stdin_data, "<stdin>")
+        try:
+            if inv.script is not None:
+                script = read_script(inv.script)
+            else:
+                if stdin_data is None:
+                    stdin_data = read_stdin(stdin)
+                script = parse_script(stdin_data, "<stdin>")
+        except Unread as exc:
+            return unread_plan(str(exc), decode(exc.data), inv.options)._replace(stdin=stdin_data)
     features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
     made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags,
                      gpu_mem=inv.gpu_mem)

@@ -25,6 +25,7 @@ class Plan(NamedTuple):
     submission: Submission
     stdin: bytes | None = None
     tag: str | None = None  # the decision tag for the job's comment; None when the user wrote a comment
+    unread: str | None = None  # why the script was not read (it goes as written)
 
     def to_json(self) -> dict[str, Any]:
         """Everything gsbatch needs to report, submit and record the plan."""
@@ -62,6 +63,13 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
                             decider=decision.decider)
         submission = apply(request, decision)
     return Plan(request, decision, submission, tag=_tag(request, decision, script, options))
+
+
+def unread_plan(why: str, text: str, options: Sequence[str]) -> Plan:
+    """The job as written, for a script gsbatch does not read (``script.Unread``): nothing is
+    decided, and one note says why."""
+    return Plan(None, Decision(reasons=(f"{why}: request kept",)), Submission(text, list(options)),
+                unread=f"{why}: not read, submitted as written")
 
 
 def _tag(request: JobRequest, decision: Decision, script: BatchScript | None, options: Sequence[str]) -> str | None:
@@ -120,6 +128,7 @@ def notes(plan: Plan) -> list[str]:
     """What the user should hear about the script itself, one line each."""
     script = plan.request.script if plan.request else None
     said = [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
+    said += [plan.unread] if plan.unread else []
     said += [budget_note(script)] if script is not None and over_budget(script) else []
     # --gpu-mem asked but not applied (an opt-out, or a decider that changes nothing): said, not silent
     return said + [r for r in plan.decision.reasons if r.startswith(GPU_MEM + " ") and " not applied: " in r]
