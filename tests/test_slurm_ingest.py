@@ -127,3 +127,61 @@ def test_concurrent_gsbatch_submissions_lose_no_record(tmp_path: Path, sample_co
         rows = conn.execute(select(Submission.job_id, Submission.changed, Submission.decision)).all()
     assert {r.job_id for r in rows} == job_ids and len(rows) == 20
     assert all(r.changed and r.decision["changes"][0]["partition"] == "gpu" for r in rows)
+
+
+def test_submissions_during_ingests_lose_no_record(tmp_path: Path, sample_config: Path) -> None:
+    """Issue 27's held attack, kept as a test: 30 gsbatch submissions, 10 at once, while the ingest runs
+    again and again over the same spool. A record read while it is being written would be set aside
+    as malformed; every one must be stored, none rejected, none half-read."""
+    import threading
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
+           "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
+    script = tmp_path / "c.sh"
+    script.write_text("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1 -t 1\nsleep 1\n")
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    slurmgpu("db", "upgrade", db=db)
+    since = (datetime.now() - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    ingest = [str(BIN / "slurmgpu"), "--db", db, "ingest", "--cluster", "slurmgpu", "--since", since]
+    outputs: list[str] = []
+    stop = threading.Event()
+
+    def ingest_loop() -> None:
+        while not stop.is_set() and len(outputs) < 60:  # bounded: it stops by itself
+            res = subprocess.run(ingest, capture_output=True, text=True, env=env, check=False, timeout=120)
+            outputs.append(res.stdout + res.stderr)
+
+    loop = threading.Thread(target=ingest_loop)
+    loop.start()
+    try:
+        job_ids = set()
+        for _ in range(3):  # three waves of 10, each once another ingest has finished
+            ran = len(outputs)
+            procs = [subprocess.Popen([str(BIN / "gsbatch"), "--hold", "--parsable", str(script)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                      env=env) for _ in range(10)]
+            for p in procs:
+                out, err = p.communicate(timeout=180)
+                assert p.returncode == 0, err
+                job_ids.add(out.strip())
+            deadline = time.monotonic() + 120
+            while len(outputs) == ran and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        loop.join(300)
+    subprocess.run(["scancel", *job_ids], check=False)
+    final = subprocess.run(ingest, capture_output=True, text=True, env=env, check=False, timeout=120)
+    assert final.returncode == 0, final.stderr
+    assert len(outputs) >= 3, "the ingest did not run while gsbatch submitted"
+    assert not [o for o in outputs + [final.stdout] if re.search(r"[1-9]\d* rejected", o)], outputs
+    assert list(spool.iterdir()) == []
+    from sqlalchemy import select
+
+    from slurmgpu.history.db import Submission, make_engine
+
+    with make_engine(db).connect() as conn:
+        rows = conn.execute(select(Submission.job_id)).all()
+    assert sorted(r.job_id for r in rows) == sorted(job_ids)
