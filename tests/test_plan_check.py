@@ -1,0 +1,189 @@
+"""What gsbatch submits from a daemon's plan is what the decision says, and nothing else.
+
+A fake daemon answers each plan request with an honest plan made by ``serve.Service`` and then
+tampered with: a line deleted, options moved below the first command (sbatch then ignores them),
+the shebang replaced, task and CPU counts swapped, control characters in its reasons. gsbatch must
+submit the job as written with one warning line, and print daemon text as one clean line. The live
+tests check the effect where it is Slurm's: the held job has the time limit the user wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_gsbatch import Recorder
+from test_serve import SAMPLE, socket_dir
+from test_slurm_gsbatch import job_info
+from test_validate import hostile
+
+from slurmgpu.apps import gsbatch, serve
+from slurmgpu.pipeline.config import Config, load_config
+from slurmgpu.pipeline.validate import check_plan
+from slurmgpu.slurm.backend import CliBackend
+
+# The rules move it to partition gpu (a100 is not in gpu-small): the honest plan changes one line.
+SCRIPT = ("#!/bin/bash\n#SBATCH -p gpu-small\n#SBATCH --gres=gpu:a100:1\n#SBATCH --job-name=orig\n"
+          "#SBATCH --time=00:10:00\n#SBATCH -n 1 -c 2\n# the job\nsleep 30\n")
+OPTIONS = ["-n", "1", "-c", "2"]
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # any control character but the line's newline
+
+
+@pytest.fixture(scope="module")
+def config() -> Config:
+    return load_config(SAMPLE)
+
+
+def honest_plan(config: Config, text: str = SCRIPT, options: list[str] | None = None) -> dict[str, Any]:
+    reply = serve.Service(config).handle(json.dumps({
+        "op": "plan", "config": str(SAMPLE), "script": text, "script_name": "job.sh",
+        "options": list(options or []), "env": {}}).encode())
+    assert reply["ok"] and reply["plan"]["submission"]["changed"], reply
+    assert "#SBATCH --partition=gpu\n" in reply["plan"]["submission"]["script_text"]
+    return dict(reply["plan"])
+
+
+def _script(edit: Callable[[str], str]) -> Callable[[dict[str, Any]], None]:
+    def change(plan: dict[str, Any]) -> None:
+        sub = plan["submission"]
+        new = edit(sub["script_text"])
+        assert new != sub["script_text"]
+        sub["script_text"] = new
+    return change
+
+
+def _words(plan: dict[str, Any]) -> None:
+    plan["submission"]["cli_words"] = ["-n", "2", "-c", "1"]
+
+
+# Each forgery the old token-multiset check let through.
+FORGERIES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "gres-line-deleted": _script(lambda t: t.replace("#SBATCH --gres=gpu:a100:1\n", "")),
+    "name-and-time-below-the-first-command": _script(
+        lambda t: t.replace("#SBATCH --job-name=orig\n#SBATCH --time=00:10:00\n", "")
+        .replace("sleep 30\n", "sleep 30\n#SBATCH --job-name=orig\n#SBATCH --time=00:10:00\n")),
+    "shebang-replaced": _script(lambda t: t.replace("#!/bin/bash\n", "#!/bin/sh\n", 1)),
+    "tasks-and-cpus-swapped-in-the-script": _script(lambda t: t.replace("-n 1 -c 2", "-n 2 -c 1")),
+    "tasks-and-cpus-swapped-on-the-command-line": _words,
+    "a-gsbatch-line-added": _script(lambda t: t.replace("sleep 30\n", "#GSBATCH --no-rewrite\nsleep 30\n")),
+    "a-comment-deleted": _script(lambda t: t.replace("# the job\n", "")),
+    "gres-typed-otherwise": _script(lambda t: t.replace("--gres=gpu:a100:1", "--gres=gpu:v100:1")),
+    "a-command-before-the-first": _script(lambda t: t.replace("sleep 30\n", "true\nsleep 30\n")),
+}
+
+
+@pytest.mark.parametrize("name", FORGERIES)
+def test_check_plan_refuses_a_forged_submission(config: Config, name: str) -> None:
+    options = OPTIONS if name.endswith("command-line") else []
+    text = SCRIPT.replace("#SBATCH -n 1 -c 2\n", "") if options else SCRIPT
+    plan = honest_plan(config, text, options)
+    assert check_plan(plan, config, text, options) is None  # the honest plan passes
+    FORGERIES[name](plan)
+    problem = check_plan(plan, config, text, options)
+    assert problem is not None and "\n" not in problem, name
+
+
+@pytest.mark.parametrize(("text", "options", "env"), [
+    (SCRIPT, [], {}),
+    ("#!/bin/bash\n#SBATCH --gres=gpu:a100:1\nsrun x\n", ["-p", "gpu-small"], {}),
+    ("#!/bin/bash\n#SBATCH --gres=gpu:a100:1\nsrun x\n", [], {"SBATCH_PARTITION": "gpu-small"}),
+    ("#!/bin/bash\n#SBATCH -p gpu-small\n", [], {}),  # no command: the whole script is directives
+    ("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1 -t 5\n# the job\n\nsrun x\n#SBATCH -t 9\n", [], {}),
+    ("#!/bin/bash\n#SBATCH -p gpu-small\n#SBATCH --gres=gpu:a100:1\n#SBATCH hetjob\n#SBATCH -p gpu\nsrun x\n",
+     [], {}),
+])
+def test_check_plan_passes_honest_plans(config: Config, text: str, options: list[str], env: dict[str, str]) -> None:
+    if "--gres" not in text and not options:  # ask for a100 in gpu-small by the command line
+        options = ["--gres=gpu:a100:1"]
+    reply = serve.Service(config).handle(json.dumps({
+        "op": "plan", "config": str(SAMPLE), "script": text, "script_name": "job.sh", "options": options,
+        "env": env}).encode())
+    assert reply["ok"] and reply["plan"]["submission"]["changed"], reply
+    assert check_plan(reply["plan"], config, text, options, env=env) is None
+
+
+# ---------------------------------------------------------------- through gsbatch, with a fake daemon
+
+
+@pytest.fixture
+def sock() -> Iterator[str]:
+    directory = socket_dir()
+    yield os.path.join(directory, "slurmgpu.sock")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _env(tmp_path: Path, sock: str) -> dict[str, str]:
+    return {"SLURMGPU_CONFIG": str(SAMPLE), "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path), "SLURMGPU_SOCKET": sock,
+            "XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+
+
+@pytest.mark.parametrize("name", [n for n in FORGERIES if not n.endswith("command-line")])
+def test_gsbatch_submits_as_written_when_the_daemon_forges_the_script(
+        config: Config, name: str, tmp_path: Path, sock: str, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(SCRIPT)
+    plan = honest_plan(config)
+    FORGERIES[name](plan)
+    backend = Recorder()
+    with hostile(sock, plan) as seen:
+        code = gsbatch.main([str(script)], env=_env(tmp_path, sock), backend=backend)
+    err = capsys.readouterr().err
+    assert code == 0 and len(seen) == 1 and len(backend.calls) == 1
+    assert backend.calls[0]["words"] == [str(script)] and backend.calls[0]["content"] == SCRIPT.encode()
+    warnings = [line for line in err.splitlines() if line.startswith("gsbatch: warning: ")]
+    assert len(warnings) == 1 and "answer not applied" in warnings[0] and "GPU request changed" not in err, err
+
+
+HOSTILE_TEXT = "moved\x1b[2J\x1b]0;pwned\x07 to gpu\r\nrm -rf ~\x9b31m\x7f"
+
+
+def test_daemon_text_reaches_the_terminal_as_one_clean_line_each(
+        config: Config, tmp_path: Path, sock: str, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(SCRIPT)
+    plan = honest_plan(config)
+    plan["decision"]["reasons"] = [HOSTILE_TEXT, "second\x07reason"]
+    plan["notes"] = [HOSTILE_TEXT]
+    backend = Recorder()
+    with hostile(sock, plan):
+        assert gsbatch.main([str(script)], env=_env(tmp_path, sock), backend=backend) == 0
+    err = capsys.readouterr().err
+    assert "--partition=gpu" in backend.calls[0]["content"].decode()  # applied: the text is only shown
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("gsbatch: note: ") for line in lines), err
+    assert not CONTROL.search(err), ascii(err)
+    assert "moved" in lines[0] and "to gpu" in lines[0] and "rm -rf" in lines[0] and "second" in lines[1]
+
+
+# ---------------------------------------------------------------- live: what Slurm got
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("name", ["name-and-time-below-the-first-command", "gres-line-deleted",
+                                  "tasks-and-cpus-swapped-in-the-script"])
+def test_a_forged_plan_never_reaches_slurm(config: Config, name: str, tmp_path: Path, sock: str,
+                                         capsys: pytest.CaptureFixture[str], submitted: list[str]) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(SCRIPT)
+    plan = honest_plan(config, options=["--parsable", "--hold"])
+    FORGERIES[name](plan)
+    with hostile(sock, plan):
+        code = gsbatch.main(["--parsable", "--hold", str(script)], env={**os.environ, **_env(tmp_path, sock)},
+                            backend=CliBackend())
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    submitted.append(out.strip().split(";")[0])
+    info = job_info(submitted[-1])
+    info["CPUs/Task"] = re.findall(r"CPUs/Task=(\S+)", subprocess.run(
+        ["scontrol", "-o", "show", "job", submitted[-1]], capture_output=True, text=True, check=True).stdout)[0]
+    # as written: 10 minutes, named orig, one a100 in gpu-small, 1 task of 2 CPUs
+    assert info["TimeLimit"] == "00:10:00" and info["JobName"] == "orig", info
+    assert info["Partition"] == "gpu-small" and "gres/gpu:a100=1" in info["TRES"], info
+    assert info["NumTasks"] == "1" and info["CPUs/Task"] == "2", info
