@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,11 @@ from test_slurm_gsbatch import job_info
 from test_validate import hostile
 
 from slurmgpu.apps import gsbatch, serve
+from slurmgpu.apps.site import _fresh_cache
+from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config, load_config
+from slurmgpu.pipeline.errors import ConfigError
+from slurmgpu.pipeline.files import FileRefused, read_regular
 from slurmgpu.pipeline.validate import check_plan
 from slurmgpu.slurm.backend import CliBackend
 
@@ -187,3 +193,114 @@ def test_a_forged_plan_never_reaches_slurm(config: Config, name: str, tmp_path: 
     assert info["TimeLimit"] == "00:10:00" and info["JobName"] == "orig", info
     assert info["Partition"] == "gpu-small" and "gres/gpu:a100=1" in info["TRES"], info
     assert info["NumTasks"] == "1" and info["CPUs/Task"] == "2", info
+
+
+# ---------------------------------------------------------------- a FIFO as config or model
+
+
+FAKE_SBATCH = """#!/bin/sh
+for a; do last="$a"; done
+cat "$last" > "$FAKE_SBATCH_OUT"
+echo "Submitted batch job 1"
+"""
+
+
+def _gsbatch_with(tmp_path: Path, fifo: str, path_dirs: list[str], args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The gsbatch command with the config or the model a FIFO nobody writes to."""
+    os.mkfifo(tmp_path / "fifo")
+    config = tmp_path / "slurmgpu.toml"
+    config.write_text(SAMPLE.read_text().replace('decider = "rules"', 'decider = "model"'))
+    env = {"PATH": ":".join([*path_dirs, str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+           "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path), "SLURMGPU_SOCKET": str(tmp_path / "none.sock"),
+           "SLURMGPU_CONFIG": str(tmp_path / "fifo") if fifo == "config" else str(config),
+           "FAKE_SBATCH_OUT": str(tmp_path / "handed"), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    if fifo == "model":
+        env["SLURMGPU_MODEL"] = str(tmp_path / "fifo")
+    script = tmp_path / "job.sh"
+    script.write_text(SCRIPT)
+    # a generous bound: gsbatch hung on the FIFO until killed; it answers in well under a second
+    return subprocess.run([str(Path(sys.executable).parent / "gsbatch"), *args, str(script)], env=env,
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.mark.parametrize("fifo", ["config", "model"])
+def test_a_fifo_as_config_or_model_submits_as_written_with_one_warning(tmp_path: Path, fifo: str) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(FAKE_SBATCH)
+    (fake / "sbatch").chmod(0o755)
+    res = _gsbatch_with(tmp_path, fifo, [str(fake)], [])
+    assert res.returncode == 0 and (tmp_path / "handed").read_text() == SCRIPT, res.stderr
+    [line] = res.stderr.splitlines()
+    assert line.startswith("gsbatch: warning: ") and "FIFO" in line and "as written" in line, line
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("fifo", ["config", "model"])
+def test_a_fifo_as_config_or_model_leaves_the_job_held_as_written(tmp_path: Path, fifo: str,
+                                                                 submitted: list[str]) -> None:
+    res = _gsbatch_with(tmp_path, fifo, [], ["--parsable", "--hold"])
+    assert res.returncode == 0, res.stderr
+    submitted.append(res.stdout.strip().split(";")[0])
+    info = job_info(submitted[-1])
+    assert info["Partition"] == "gpu-small" and info["TimeLimit"] == "00:10:00" and info["JobName"] == "orig", info
+
+
+def _within(seconds: float, call: Callable[[], Any], fifo: Path) -> Any:
+    """call() in a thread; fails when it has not returned after ``seconds`` (blocked on ``fifo``:
+    opened for writing afterwards, so the thread ends)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"blocked on the FIFO {fifo} for {seconds} s")
+    return out[0]
+
+
+def test_config_model_and_caches_that_are_fifos_are_refused_unread(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    problem = _within(10, lambda: load_config(fifo), fifo)
+    assert isinstance(problem, ConfigError)
+    assert str(problem) == f"{fifo}: cannot read config: a FIFO, not a regular file"
+    problem = _within(10, lambda: Bundle.load(str(fifo)), fifo)
+    assert isinstance(problem, OSError) and str(problem) == "a FIFO, not a regular file"
+    # the user's own caches: the parsed config's, and gsbatch's partition rules (read past, as stale)
+    cache = tmp_path / "cache" / "slurmgpu"
+    good = load_config(SAMPLE, str(cache))
+    [kept] = cache.iterdir()
+    kept.unlink()
+    os.mkfifo(kept)
+    assert _within(10, lambda: load_config(SAMPLE, str(cache)), kept) == good
+    os.mkfifo(cache / "partitions.txt")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    assert _within(10, lambda: _fresh_cache(env, "partitions.txt", 60.0), cache / "partitions.txt")[1] is None
+
+
+def test_read_regular_reads_only_a_regular_file_within_its_cap(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    good.write_bytes(b"12345")
+    (tmp_path / "link").symlink_to(good)
+    os.mkfifo(tmp_path / "fifo")
+    assert read_regular(str(good), 5) == b"12345"
+    assert read_regular(str(tmp_path / "link"), 5) == b"12345"  # a config or model may be a link
+    for path, cap, follow, why in [(good, 4, True, "5 bytes, over the 4-byte limit"),
+                                   (tmp_path / "link", 5, False, "a symbolic link, not a regular file"),
+                                   (tmp_path / "fifo", 5, True, "a FIFO, not a regular file"),
+                                   (tmp_path, 5, True, "a directory, not a regular file"),
+                                   (Path("/dev/zero"), 5, True, "a character device, not a regular file")]:
+        with pytest.raises(FileRefused) as caught:
+            read_regular(str(path), cap, follow=follow)
+        assert str(caught.value) == why and caught.value.filename == str(path)
+    with pytest.raises(FileNotFoundError):
+        read_regular(str(tmp_path / "missing"), 5)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
+from slurmgpu.pipeline.files import read_regular
 
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
     from slurmgpu.pipeline.policy import Admits, Decider, Decision
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its 
 # time and is decided by the hook; "1" is a user's explicit opt-out, believed always.
 DECIDED_MARKER = "SLURMGPU_DECIDED"
 DECIDED_WINDOW_S = 300
+MAX_CACHE_BYTES = 64 << 20  # a per-user cache file past this is not read
 
 
 def load_site(config_path: str | None, env: Mapping[str, str]) -> Config | None:
@@ -165,8 +167,7 @@ def _fresh_cache(env: Mapping[str, str], name: str, ttl_s: float) -> tuple[str, 
     try:
         age = time.time() - os.stat(path).st_mtime
         if 0 <= age < ttl_s:
-            with open(path) as fh:
-                return path, fh.read(), age
+            return path, read_regular(path, MAX_CACHE_BYTES).decode(), age
     except (OSError, ValueError):
         pass
     return path, None, 0.0
