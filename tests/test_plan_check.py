@@ -81,6 +81,7 @@ FORGERIES: dict[str, Callable[[dict[str, Any]], None]] = {
     "a-gsbatch-line-added": _script(lambda t: t.replace("sleep 30\n", "#GSBATCH --no-rewrite\nsleep 30\n")),
     "a-comment-deleted": _script(lambda t: t.replace("# the job\n", "")),
     "gres-typed-otherwise": _script(lambda t: t.replace("--gres=gpu:a100:1", "--gres=gpu:v100:1")),
+    "record-names-another-partition": lambda plan: plan["record"]["original_request"].update(partition="debug"),
     "a-command-before-the-first": _script(lambda t: t.replace("sleep 30\n", "true\nsleep 30\n")),
 }
 

@@ -101,12 +101,13 @@ def check_plan(plan: Any, config: Config, script_text: str | None, options: Sequ
     """Why gsbatch must not submit the daemon's plan for this script, these sbatch options and
     this environment (its ``SBATCH_*`` variables), or None when it may.
 
-    The decision must pass ``check_decision`` against the request as read here (not as the daemon
-    says it read it). The submitted script must equal the original but for directive lines that set
-    a partition or GPU option, new directive lines and slurmgpu's provenance comment, all before the
-    first command, from which on it is byte for byte the original. And what sbatch will read from the
-    submission, read again with the request reader, must be the request as written in every option
-    but partition and GPUs, and carry the decided partition, GPU type and count.
+    The decision must pass ``check_decision`` against the request as read here, and the plan's
+    record (by which the admin's modes and waivers are resolved) must give that request. The
+    submitted script must equal the original but for directive lines that set a partition or GPU
+    option, new directive lines and slurmgpu's provenance comment, all before the first command,
+    from which on it is byte for byte the original. And what sbatch will read from the submission,
+    read again with the request reader, must be the request as written in every option but
+    partition and GPUs, and carry the decided partition, GPU type and count.
     """
     if not isinstance(plan, Mapping) or not isinstance(plan.get("submission"), Mapping):
         return "the plan has no submission"
@@ -120,8 +121,13 @@ def check_plan(plan: Any, config: Config, script_text: str | None, options: Sequ
         before = _read(script_text, options, env, config)
     except InputError as exc:
         return f"the request cannot be read ({exc})"
-    if problem := check_decision(decision, config, before.to_json(), admits):
+    read = before.to_json()
+    if problem := check_decision(decision, config, read, admits):
         return problem
+    record = plan.get("record")
+    said = record.get("original_request") if isinstance(record, Mapping) else None
+    if not isinstance(said, Mapping) or {**said, "script": None} != {**read, "script": None}:
+        return "the plan's record does not give the request as written"  # mode and waivers go by it
     assert isinstance(decision, Mapping)
     changes = {c["index"]: c for c in decision.get("changes") or []}
     if not changes:
