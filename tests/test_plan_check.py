@@ -105,9 +105,12 @@ def test_check_plan_refuses_a_forged_submission(config: Config, name: str) -> No
     ("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1 -t 5\n# the job\n\nsrun x\n#SBATCH -t 9\n", [], {}),
     ("#!/bin/bash\n#SBATCH -p gpu-small\n#SBATCH --gres=gpu:a100:1\n#SBATCH hetjob\n#SBATCH -p gpu\nsrun x\n",
      [], {}),
+    (None, ["--wrap=srun x", "--gres=gpu:a100:1", "-p", "gpu-small"], {}),
+    (None, ["-p", "gpu-small", "--gres=gpu:a100:1", "--wrap", "srun x"], {}),
 ])
-def test_check_plan_passes_honest_plans(config: Config, text: str, options: list[str], env: dict[str, str]) -> None:
-    if "--gres" not in text and not options:  # ask for a100 in gpu-small by the command line
+def test_check_plan_passes_honest_plans(config: Config, text: str | None, options: list[str],
+                                        env: dict[str, str]) -> None:
+    if text is not None and "--gres" not in text and not options:  # ask for a100 in gpu-small by the command line
         options = ["--gres=gpu:a100:1"]
     reply = serve.Service(config).handle(json.dumps({
         "op": "plan", "config": str(SAMPLE), "script": text, "script_name": "job.sh", "options": options,
@@ -167,6 +170,20 @@ def test_daemon_text_reaches_the_terminal_as_one_clean_line_each(
     assert len(lines) == 2 and all(line.startswith("gsbatch: note: ") for line in lines), err
     assert not CONTROL.search(err), ascii(err)
     assert "moved" in lines[0] and "to gpu" in lines[0] and "rm -rf" in lines[0] and "second" in lines[1]
+
+
+def test_explain_and_model_warnings_are_one_clean_line_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from slurmgpu.apps.site import local_decider
+    from slurmgpu.pipeline.policy import Decision
+    from slurmgpu.pipeline.request import build_request
+
+    text = gsbatch.explain_text(build_request(None, ["--wrap=x"]), Decision(reasons=(HOSTILE_TEXT,)))
+    assert not CONTROL.search(text) and all(line.startswith("gsbatch: explain: ") for line in text.splitlines())
+    model = tmp_path / "model\x1b[2J.json"
+    model.write_text(HOSTILE_TEXT)
+    local_decider(load_config(SAMPLE), Recorder(), {"SLURMGPU_MODEL": str(model)}, None)  # type: ignore[arg-type]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("gsbatch: warning: model ") and not CONTROL.search(line), ascii(line)
 
 
 # ---------------------------------------------------------------- live: what Slurm got

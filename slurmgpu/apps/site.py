@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
+from slurmgpu.pipeline.errors import one_line
 from slurmgpu.pipeline.files import read_regular
 
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
@@ -90,7 +91,7 @@ class DaemonDecider:
                                 tuple(Candidate(**c) for c in answer.get("per_type", [])))
             except (TypeError, ValueError) as exc:
                 problem = f"malformed: {exc}"
-        print(f"gsbatch: warning: slurmgpu serve's answer not applied ({problem}); request kept as written",
+        print(f"gsbatch: warning: slurmgpu serve's answer not applied ({one_line(problem)}); request kept as written",
               file=sys.stderr)
         return KeepDecider(f"the daemon's answer was not applied ({problem}); request kept").decide(request)
 
@@ -119,7 +120,8 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
     try:
         bundle = Bundle.load(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"gsbatch: warning: model {path} unusable ({exc}); request kept as written", file=sys.stderr)
+        print(f"gsbatch: warning: {one_line(f'model {path} unusable ({exc})')}; request kept as written",
+              file=sys.stderr)
         return KeepDecider("model unusable")
     admits = None
     if config.policy.move_partitions:  # a move to another partition needs Slurm's rules for it
