@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_gsbatch import Recorder
 from test_serve import SAMPLE, socket_dir
 from test_slurm_gsbatch import job_info
@@ -30,7 +32,7 @@ from slurmgpu.apps import gsbatch, serve
 from slurmgpu.apps.site import _fresh_cache
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config, load_config
-from slurmgpu.pipeline.errors import ConfigError
+from slurmgpu.pipeline.errors import ConfigError, InputError
 from slurmgpu.pipeline.files import FileRefused, read_regular
 from slurmgpu.pipeline.validate import check_plan
 from slurmgpu.slurm.backend import CliBackend
@@ -52,7 +54,7 @@ def honest_plan(config: Config, text: str = SCRIPT, options: list[str] | None = 
         "op": "plan", "config": str(SAMPLE), "script": text, "script_name": "job.sh",
         "options": list(options or []), "env": {}}).encode())
     assert reply["ok"] and reply["plan"]["submission"]["changed"], reply
-    assert "#SBATCH --partition=gpu\n" in reply["plan"]["submission"]["script_text"]
+    assert "#SBATCH --partition=gpu" in reply["plan"]["submission"]["script_text"]
     return dict(reply["plan"])
 
 
@@ -117,6 +119,57 @@ def test_check_plan_passes_honest_plans(config: Config, text: str | None, option
         "env": env}).encode())
     assert reply["ok"] and reply["plan"]["submission"]["changed"], reply
     assert check_plan(reply["plan"], config, text, options, env=env) is None
+
+
+HETJOB = ("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\n#SBATCH -t 10 -J first\n#SBATCH hetjob\n"
+          "#SBATCH -p gpu -n 2\n# the job\nsrun x\nsrun y\n")
+
+
+def _as_read(text: str, config: Config) -> list[tuple[dict[str, str | None], dict[str, int]]]:
+    """Per component, every option sbatch reads from a script but the GPU options (whose spelling
+    may differ: gpu:a100 is gpu:a100:1), and the GPUs of each type they come to."""
+    from slurmgpu.pipeline.request import GPU_OPTIONS, build_request
+    from slurmgpu.pipeline.script import parse_script
+
+    req = build_request(parse_script(text.encode(), "job.sh"), (), {}, config.gpu_features())
+    return [({k: v.value for k, v in c.options.items() if k not in GPU_OPTIONS}, c.gpus_by_type)
+            for c in req.components]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from([SCRIPT, HETJOB]), st.sampled_from(["delete", "below", "swap", "duplicate", "char"]),
+       st.integers(0, 60), st.integers(0, 200), st.sampled_from("x 9:=-#\t"))
+def test_whatever_check_plan_accepts_is_what_the_honest_plan_submits(
+        config: Config, text: str, mutation: str, at: int, offset: int, char: str) -> None:
+    """A single edit of the honest submission (a line deleted, moved below the first command, swapped
+    with the next, duplicated, or one character replaced) is refused, or sbatch reads from it the
+    honest submission's options, with the same values, and the same GPUs."""
+    plan = honest_plan(config, text)
+    honest = plan["submission"]["script_text"]
+    lines = honest.split("\n")
+    i = at % (len(lines) - 1)
+    first = next(n for n, line in enumerate(lines) if line.startswith("srun") or line.startswith("sleep"))
+    if mutation == "delete":
+        del lines[i]
+    elif mutation == "below":
+        lines.insert(first + 1, lines.pop(i))
+    elif mutation == "swap":
+        lines[i:i + 2] = lines[i:i + 2][::-1]
+    elif mutation == "duplicate":
+        lines.insert(i, lines[i])
+    else:
+        line = lines[i]
+        j = offset % max(len(line), 1)
+        lines[i] = line[:j] + char + line[j + 1:]
+    forged = "\n".join(lines)
+    plan["submission"]["script_text"] = forged
+    if check_plan(plan, config, text, []) is None:
+        try:
+            read = _as_read(forged, config)
+        except InputError:
+            pytest.fail(f"accepted a script sbatch refuses: {forged!r}")
+        assert read == _as_read(honest, config), forged
+        assert forged.split("\n")[0] == honest.split("\n")[0]
 
 
 # ---------------------------------------------------------------- through gsbatch, with a fake daemon
