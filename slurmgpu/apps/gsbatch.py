@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
-from slurmgpu.pipeline.errors import ConfigError, InputError
+from slurmgpu.pipeline.errors import ConfigError, InputError, one_line
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
 
@@ -102,12 +102,13 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
 
 
 def _note(stream: TextIO | None, kind: str, text: str) -> None:
-    """One line on stderr, whatever the text holds; a closed or broken stderr loses the line,
-    never the job (and ``print(file=None)`` would write it to stdout)."""
+    """One line on stderr, whatever the text holds (a daemon's reasons, a path: no control
+    character reaches the terminal); a closed or broken stderr loses the line, never the job (and
+    ``print(file=None)`` would write it to stdout)."""
     if stream is None:
         return
     try:
-        print(f"gsbatch: {kind}: {' '.join(text.split(chr(10)))}", file=stream, flush=True)
+        print(f"gsbatch: {kind}: {one_line(text)}", file=stream, flush=True)
     except (OSError, ValueError):
         pass
 
@@ -138,7 +139,7 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
                      for c in decision.per_type)
     if not decision.changed and not decision.refusal:
         lines.append("result: request kept as written")
-    return "\n".join("gsbatch: explain: " + line for line in lines)
+    return "\n".join("gsbatch: explain: " + one_line(line) for line in lines)
 
 
 def read_stdin(stream: TextIO | None = None) -> bytes:
@@ -209,7 +210,7 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
         if isinstance(decision, dict) and decision.get("refused") is not None:
             return None
 
-        problem = check_plan(reply["plan"], config, text, inv.options)
+        problem = check_plan(reply["plan"], config, text, inv.options, env=env)
         if problem is None:
             return dict(reply["plan"], stdin=None, script_data=data)
         from slurmgpu.pipeline.policy import KeepDecider

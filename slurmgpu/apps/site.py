@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
+from slurmgpu.pipeline.errors import one_line
+from slurmgpu.pipeline.files import read_regular
 
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
     from slurmgpu.pipeline.policy import Admits, Decider, Decision
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its 
 # time and is decided by the hook; "1" is a user's explicit opt-out, believed always.
 DECIDED_MARKER = "SLURMGPU_DECIDED"
 DECIDED_WINDOW_S = 300
+MAX_CACHE_BYTES = 64 << 20  # a per-user cache file past this is not read
 
 
 def load_site(config_path: str | None, env: Mapping[str, str]) -> Config | None:
@@ -91,7 +94,7 @@ class DaemonDecider:
                                 tuple(Candidate(**c) for c in answer.get("per_type", [])))
             except (TypeError, ValueError) as exc:
                 problem = f"malformed: {exc}"
-        print(f"gsbatch: warning: slurmgpu serve's answer not applied ({problem}); request kept as written",
+        print(f"gsbatch: warning: slurmgpu serve's answer not applied ({one_line(problem)}); request kept as written",
               file=sys.stderr)
         return KeepDecider(f"the daemon's answer was not applied ({problem}); request kept").decide(request)
 
@@ -122,7 +125,8 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
     try:
         bundle = Bundle.load(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"gsbatch: warning: model {path} unusable ({exc}); request kept as written", file=sys.stderr)
+        print(f"gsbatch: warning: {one_line(f'model {path} unusable ({exc})')}; request kept as written",
+              file=sys.stderr)
         return KeepDecider("model unusable")
     admits = None
     if config.policy.move_partitions:  # a move to another partition needs Slurm's rules for it
@@ -168,8 +172,7 @@ def _fresh_cache(env: Mapping[str, str], name: str, ttl_s: float) -> tuple[str, 
     try:
         age = time.time() - os.stat(path).st_mtime
         if 0 <= age < ttl_s:
-            with open(path) as fh:
-                return path, fh.read(), age
+            return path, read_regular(path, MAX_CACHE_BYTES).decode(), age
     except (OSError, ValueError):
         pass
     return path, None, 0.0

@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from slurmgpu.history.db import GpuUsage, IngestState, Job, JobScript, ModelVersion, Submission, utcnow
 from slurmgpu.pipeline.decision_tag import DECISION_ID, parse_tag
 from slurmgpu.pipeline.features import hexdigest
+from slurmgpu.pipeline.files import kind_of
 from slurmgpu.pipeline.spool import (
     FREE_FIELDS,
     MAX_FIELD_BYTES,
@@ -299,20 +300,11 @@ def shown(path: str) -> str:
     return path if path.isprintable() else ascii(path)
 
 
-def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
-
-
 def open_spool_file(path: str, max_bytes: int = MAX_RECORD_BYTES) -> SpoolFile | None:
     """Read a spool file if it is a regular file with one link and at most ``max_bytes``; never blocks,
     never follows a link. None when it vanished meanwhile; SetAside for anything else it is."""
     try:
-        kind = _kind_of(os.lstat(path).st_mode)
+        kind = kind_of(os.lstat(path).st_mode)
     except FileNotFoundError:
         return None
     if kind != "regular file":
@@ -330,7 +322,7 @@ def open_spool_file(path: str, max_bytes: int = MAX_RECORD_BYTES) -> SpoolFile |
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # replaced between lstat and open
-            raise SetAside("not a regular file", f"a {_kind_of(st.st_mode)}")
+            raise SetAside("not a regular file", f"a {kind_of(st.st_mode)}")
         if st.st_nlink != 1:
             raise SetAside("hard link", f"{st.st_nlink} hard links (a record has exactly one)")
         if st.st_size > max_bytes:

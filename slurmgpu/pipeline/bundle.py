@@ -30,9 +30,11 @@ from slurmgpu.pipeline.features import (
     sized_fits,
     slope,
 )
+from slurmgpu.pipeline.files import read_regular
 
 BUNDLE_VERSION = 1
 MIB = 1024.0
+MAX_BUNDLE_BYTES = 256 << 20  # a trained bundle is about 1 MiB; a file past this is not read
 
 
 MAX_DEPTH = 16  # CatBoost's own limit for oblivious trees
@@ -365,9 +367,9 @@ class Bundle:
 
     @classmethod
     def load(cls, path: str) -> Bundle:
-        """Read and check a model file; any unreadable or malformed file raises OSError or ValueError."""
-        with open(path, "rb") as fh:
-            data = fh.read()
+        """Read and check a model file; any unreadable or malformed file raises OSError or ValueError
+        (a FIFO, a device or a file over MAX_BUNDLE_BYTES too, unread: gsbatch never hangs on one)."""
+        data = read_regular(path, MAX_BUNDLE_BYTES)
         try:
             bundle = cls(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
             bundle._digest = _digest(data)

@@ -15,8 +15,10 @@ from datetime import date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.errors import ConfigError
+from slurmgpu.pipeline.files import open_regular, read_capped, read_regular
 from slurmgpu.pipeline.modes import FAMILY, MODES, REWRITE, Modes, Waiver
 
+MAX_CONFIG_BYTES = 4 << 20  # a larger file (or its cached parse) is refused unread
 SYSTEM_CONFIG = "/etc/slurmgpu/slurmgpu.toml"  # a str: pathlib costs gsbatch start-up time
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DECIDERS = ("keep", "rules", "model")
@@ -117,7 +119,7 @@ def load_config(path: str | os.PathLike[str], cache_dir: str | None = None) -> C
     """
     path = str(path)
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, MAX_CONFIG_BYTES) as fh:  # a FIFO or device would hang gsbatch
             st = os.fstat(fh.fileno())
             key = [path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
             cache = os.path.join(cache_dir, "config-" + path.replace("%", "%25").replace("/", "%2F") + ".json") \
@@ -142,7 +144,7 @@ def load_config(path: str | os.PathLike[str], cache_dir: str | None = None) -> C
 def _parse_toml(fh: Any, path: str) -> dict[str, Any]:
     import tomllib  # only when the cache misses: the parser is a good part of gsbatch's start-up
 
-    data = fh.read()
+    data = read_capped(fh, MAX_CONFIG_BYTES, path)
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:  # TOML is UTF-8; a Latin-1 'é' in a comment is enough
@@ -150,8 +152,8 @@ def _parse_toml(fh: Any, path: str) -> dict[str, Any]:
         raise ConfigError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} cannot be decoded", file=path,
                           line=line) from None
     except tomllib.TOMLDecodeError as exc:
-        line = getattr(exc, "lineno", None)
-        raise ConfigError(f"invalid TOML: {getattr(exc, 'msg', exc)}", file=path, line=line) from None
+        raise ConfigError(f"invalid TOML: {getattr(exc, 'msg', exc)}", file=path,
+                          line=getattr(exc, "lineno", None)) from None
     except RecursionError:  # thousands of nested arrays
         raise ConfigError("invalid TOML: nested too deeply", file=path) from None
 
@@ -159,8 +161,7 @@ def _parse_toml(fh: Any, path: str) -> dict[str, Any]:
 def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
     """The parsed config kept for exactly this file, or None (missing, stale, unreadable)."""
     try:
-        with open(cache, encoding="utf-8") as fh:
-            stored = json.load(fh)
+        stored = json.loads(read_regular(cache, MAX_CONFIG_BYTES))
     except (OSError, ValueError, RecursionError):
         return None
     if isinstance(stored, dict) and stored.get("key") == key and isinstance(stored.get("config"), dict):

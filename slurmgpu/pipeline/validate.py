@@ -7,23 +7,26 @@ never offers. gsbatch calls ``check_plan`` on the daemon's plan; the job_submit.
 ``check_decision`` (see templates/lua/job_submit.lua.j2). Each returns None when the answer may
 be applied, else one line saying why not; the caller then leaves the request as written.
 
-Standard library only: gsbatch's fast path imports this and nothing of the decision code.
+Standard library only: gsbatch's fast path imports this and, to read the submission as sbatch
+will, the request reader; nothing of the decision code.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.request import ComponentRequest, JobRequest, build_request, parse_gres
+from slurmgpu.pipeline.sbatch_options import OptionError, split_options
+from slurmgpu.pipeline.script import BatchScript, encode, parse_script
 
 GPU_OPTIONS = ("gres", "gpus", "gpus-per-node", "gpus-per-task", "gpus-per-socket")
 REWRITABLE = ("partition", *GPU_OPTIONS)  # the only options a rewrite may set
 ENV_OF = {"SBATCH_PARTITION": "partition", "SBATCH_GRES": "gres", "SBATCH_GPUS": "gpus",
           "SBATCH_GPUS_PER_NODE": "gpus-per-node", "SBATCH_GPUS_PER_TASK": "gpus-per-task",
           "SBATCH_GPUS_PER_SOCKET": "gpus-per-socket"}
-_SHORT = {"-p": "partition", "-G": "gpus"}
 
 
 def _is_count(value: Any) -> bool:
@@ -92,111 +95,144 @@ def check_decision(decision: Any, config: Config, original: Mapping[str, Any] | 
     return None
 
 
-def _token_problem(token: str, allowed: Mapping[str, Sequence[str]], config: Config, max_total: int) -> str | None:
-    """A ``--name=value`` word a rewrite may have written: why it may not, or None."""
-    name, eq, value = token.removeprefix("--").partition("=")
-    if not token.startswith("--") or not eq or name not in REWRITABLE:
-        return f"unexpected option {token[:60]!r}"
-    return _value_problem(name, value.strip("'\""), allowed, config, max_total)
-
-
-def _value_problem(name: str, value: str, allowed: Mapping[str, Sequence[str]], config: Config,
-                   max_total: int) -> str | None:
-    if name == "partition":
-        return None if value in allowed["partition"] else f"partition {value!r} is not the decided one"
-    for entry in value.split(","):
-        words = entry.split(":")
-        if name == "gres" and words[0] != "gpu":
-            if entry not in allowed["other"]:
-                return f"GRES entry {entry!r} was not in the request"
-            continue
-        for word in words[1:] if name == "gres" else words:
-            if word.isdigit():
-                if int(word) > max_total:
-                    return f"GPU count {word} exceeds the decided {max_total}"
-            elif word not in allowed["types"] or word not in config.gpu_types:
-                return f"GPU type {word!r} is not the decided one"
-    return None
-
-
-def _removal_ok(tokens: Sequence[str], i: int) -> bool:
-    """May the rewrite have removed tokens[i]: a partition/GPU option, or the value after one."""
-    token = tokens[i]
-    name = token.removeprefix("--").partition("=")[0]
-    if token.startswith("--") and name in REWRITABLE:
-        return True
-    if token[:2] in _SHORT:
-        return True
-    prev = tokens[i - 1] if i else ""
-    return prev in _SHORT or (prev.startswith("--") and "=" not in prev and prev[2:] in REWRITABLE)
-
-
-def _changed_tokens(old: Sequence[str], new: Sequence[str], allowed: Mapping[str, Sequence[str]],
-                    config: Config, max_total: int, where: str) -> str | None:
-    added = Counter(new) - Counter(old)
-    removed = Counter(old) - Counter(new)
-    for token in added:
-        if problem := _token_problem(token, allowed, config, max_total):
-            return f"{where}: {problem}"
-    for i, token in enumerate(old):
-        if removed.get(token) and not _removal_ok(old, i):
-            return f"{where}: {token[:60]!r} was removed"
-    return None
-
-
-def _directive_tokens(text: str) -> list[str]:
-    return [w for line in text.splitlines() if line.startswith("#SBATCH") for w in line.split()[1:]]
-
-
-def _commands(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
 def check_plan(plan: Any, config: Config, script_text: str | None, options: Sequence[str],
-               admits: Callable[[str], str | None] | None = None) -> str | None:
-    """Why gsbatch must not submit the daemon's plan for this script and these sbatch options,
-    or None when it may: the decision passes ``check_decision``, and the submission differs from
-    what the user wrote only in partition and GPU options set to the decided values (the
-    script's commands are untouched; comments may be added)."""
+               admits: Callable[[str], str | None] | None = None,
+               env: Mapping[str, str] | None = None) -> str | None:
+    """Why gsbatch must not submit the daemon's plan for this script, these sbatch options and
+    this environment (its ``SBATCH_*`` variables), or None when it may.
+
+    The decision must pass ``check_decision`` against the request as read here, and the plan's
+    record (by which the admin's modes and waivers are resolved) must give that request. The
+    submitted script must equal the original but for directive lines that set a partition or GPU
+    option, new directive lines and slurmgpu's provenance comment, all before the first command,
+    from which on it is byte for byte the original. And what sbatch will read from the submission,
+    read again with the request reader, must be the request as written in every option but
+    partition and GPUs, and carry the decided partition, GPU type and count.
+    """
     if not isinstance(plan, Mapping) or not isinstance(plan.get("submission"), Mapping):
         return "the plan has no submission"
     decision, sub = plan.get("decision"), plan["submission"]
-    record = plan.get("record")
-    original = record.get("original_request") if isinstance(record, Mapping) else None
-    if problem := check_decision(decision, config, original if isinstance(original, Mapping) else None, admits):
-        return problem
-    assert isinstance(decision, Mapping)
-    new_text, words, env = sub.get("script_text"), sub.get("cli_words"), sub.get("env_overrides", {})
+    new_text, words, overrides = sub.get("script_text"), sub.get("cli_words"), sub.get("env_overrides", {})
     if not (new_text is None or isinstance(new_text, str)) or not isinstance(words, list) \
-            or not all(isinstance(w, str) for w in words) or not isinstance(env, Mapping):
+            or not all(isinstance(w, str) for w in words) or not isinstance(overrides, Mapping):
         return "the submission is malformed"
-    if not decision.get("changes"):
-        if new_text != script_text or list(words) != list(options) or env or sub.get("changed"):
+    env = dict(env or {})
+    try:
+        before = _read(script_text, options, env, config)
+    except InputError as exc:
+        return f"the request cannot be read ({exc})"
+    read = before.to_json()
+    if problem := check_decision(decision, config, read, admits):
+        return problem
+    record = plan.get("record")
+    said = record.get("original_request") if isinstance(record, Mapping) else None
+    if not isinstance(said, Mapping) or {**said, "script": None} != {**read, "script": None}:
+        return "the plan's record does not give the request as written"  # mode and waivers go by it
+    assert isinstance(decision, Mapping)
+    changes = {c["index"]: c for c in decision.get("changes") or []}
+    if not changes:
+        if new_text != script_text or list(words) != list(options) or overrides or sub.get("changed"):
             return "the submission differs from the request though nothing was decided"
         return None
-    comp = original if isinstance(original, Mapping) else {}
-    types = {c.get("gpu_type") for c in decision["changes"]} | {comp.get("gpu_type")}
-    types |= set(comp.get("gpu_types") or ()) if isinstance(comp.get("gpu_types"), list) else set()
-    totals = [c.get("gpus_total") for c in decision["changes"]] + [comp.get("gpus_total")]
-    max_total = max((t for t in totals if _is_count(t)), default=0)
-    old_directives = _directive_tokens(script_text or "")
-    other = [e for w in [*old_directives, *options] for e in w.split("=", 1)[-1].split(",") if not e.startswith("gpu")]
-    allowed: dict[str, Sequence[str]] = {
-        "partition": [c["partition"] for c in decision["changes"] if isinstance(c.get("partition"), str)],
-        "types": [t for t in types if isinstance(t, str)], "other": other}
-    if (script_text is None) != (new_text is None):
-        return "the submission adds or drops the script"
-    if script_text is not None and new_text is not None:
-        if _commands(new_text) != _commands(script_text):
-            return "the script's commands were changed"
-        if problem := _changed_tokens(old_directives, _directive_tokens(new_text), allowed, config, max_total,
-                                      "script"):
-            return problem
-    if problem := _changed_tokens(list(options), list(words), allowed, config, max_total, "command line"):
-        return problem
-    for key, value in env.items():
+    for key, value in overrides.items():
         if key not in ENV_OF or not isinstance(value, str):
             return f"environment: {str(key)[:40]!r} may not be set"
-        if problem := _value_problem(ENV_OF[key], value, allowed, config, max_total):
-            return f"environment: {problem}"
+    if (script_text is None) != (new_text is None):
+        return "the submission adds or drops the script"
+    if split_options(list(words))[1] != len(words):
+        return "the command line holds a word that is not an option"
+    try:
+        after = _read(new_text, words, {**env, **overrides}, config)
+    except (InputError, OptionError) as exc:
+        return f"sbatch would refuse the submission ({exc})"
+    if before.script is not None and after.script is not None \
+            and (problem := _script_problem(before.script, after.script)):
+        return problem
+    return _request_problem(before, after, changes)
+
+
+# The first words of each line of the comment pipeline/rewrite.py writes below the shebang.
+PROVENANCE = "# slurmgpu: "
+# Request fields a decision may change; every other field of to_json must stay as written.
+DECIDED_FIELDS = ("gpu_type", "gpu_types", "gpus_total", "gpus_by_type", "gpus_per_node", "gpu_requests", "partition")
+
+
+def _read(text: str | None, options: Sequence[str], env: Mapping[str, str], config: Config) -> JobRequest:
+    """The request as sbatch will read it (InputError where it would refuse it)."""
+    script = parse_script(encode(text), "<script>") if text is not None else None
+    return build_request(script, options, env, config.gpu_features())
+
+
+def _script_problem(old: BatchScript, new: BatchScript) -> str | None:
+    """Why the submitted script differs from the original in more than the lines a rewrite writes."""
+    old_lines, new_lines = old.text.split("\n"), new.text.split("\n")
+    if old_lines[0] != new_lines[0]:
+        return "the script's first line (#!) was changed"
+    # the first command's index in the lines (past the end when there is none): head, then commands
+    cut_old = (old.first_command_line or len(old_lines) + 1) - 1
+    cut_new = (new.first_command_line or len(new_lines) + 1) - 1
+    if old_lines[cut_old:] != new_lines[cut_new:]:
+        return f"the script was changed from its first command (line {cut_old + 1}) on"
+    rewritable = {d.line for d in old.directives if d.name in REWRITABLE}
+    directive_lines = {d.line for d in new.directives}
+    head = [(j + 1, line) for j, line in enumerate(new_lines[:cut_new]) if not line.startswith(PROVENANCE)]
+    # Walk the original's lines before the first command: each is in the submission, in order,
+    # as written (past directive lines the rewrite added) or, where it set a partition or GPU
+    # option, rewritten as a directive line.
+    j = 0
+    for i, line in enumerate(old_lines[:cut_old], 1):
+        k = j
+        while k < len(head) and head[k][1] != line and head[k][0] in directive_lines:
+            k += 1
+        if k < len(head) and head[k][1] == line:
+            j = k + 1
+        elif i in rewritable and j < len(head) and head[j][0] in directive_lines:
+            j += 1
+        else:
+            return f"line {i} of the script was changed or removed, and it sets no partition or GPU option"
+    if added := next((n for n, _ in head[j:] if n not in directive_lines), None):
+        return f"line {added} of the submitted script is neither a directive nor slurmgpu's comment"
     return None
+
+
+def _request_problem(before: JobRequest, after: JobRequest, changes: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """Why what sbatch will read differs from the request in anything but the decided partition,
+    GPU type and count."""
+    if len(after.components) != len(before.components):
+        return f"the submission has {len(after.components)} job components, the request {len(before.components)}"
+    if after.unknown_options != before.unknown_options:
+        return f"the submission's unknown options {list(after.unknown_options)[:4]!r} are not the request's"
+    for old, new in zip(before.components, after.components, strict=True):
+        where = f"component {old.index}: " if before.is_hetjob else ""
+        for name in sorted(set(old.options) | set(new.options)):
+            was, now = (_value(c.options.get(name)) for c in (old, new))
+            if name not in REWRITABLE and was != now:
+                return f"{where}sbatch would read --{name} as {now}, the request says {was}"
+        was_json, now_json = old.to_json(), new.to_json()
+        if field := next((k for k in was_json if k not in DECIDED_FIELDS and was_json[k] != now_json[k]), None):
+            return f"{where}sbatch would read {field} as {now_json[field]!r}, the request says {was_json[field]!r}"
+        change = changes.get(old.index, {})
+        want = change.get("partition") or old.partition
+        if new.partition != want:
+            return f"{where}sbatch would read partition {new.partition}, the decision says {want}"
+        gtype, total = change.get("gpu_type"), change.get("gpus_total")
+        types = {gtype} if gtype else set(old.gpus_by_type)
+        total = total if total is not None else old.gpus_total
+        if (gtype is None and change.get("gpus_total") is None and new.gpus_by_type != old.gpus_by_type) \
+                or set(new.gpus_by_type) != types or new.gpus_total != total:
+            return f"{where}sbatch would read GPUs {new.gpus_by_type}, the decision says {total} x {'/'.join(types)}"
+        if not {g.option for g in new.gpus} <= ({g.option for g in old.gpus} or {"gres"}):
+            return f"{where}the submission asks for GPUs through an option the request does not use"
+        if _other_gres(new) != _other_gres(old):
+            return f"{where}the submission's other GRES {_other_gres(new)} are not the request's {_other_gres(old)}"
+    return None
+
+
+def _value(option: Any) -> str:
+    """An option's value as a message shows it ('unset' when the option is not given)."""
+    return "unset" if option is None else repr(option.value)[:60] if option.value is not None else "set"
+
+
+def _other_gres(comp: ComponentRequest) -> list[str]:
+    gres = comp.options.get("gres")
+    return sorted(parse_gres(gres.value)[1]) if gres is not None and gres.value else []
