@@ -200,13 +200,15 @@ def _gsbatch_as_user(directory: str, subs: str) -> list[str]:
 @pytest.mark.slurm
 def test_every_job_sbatch_took_gets_a_record_the_ingest_stores(site: Site, submitted: list[str]) -> None:  # noqa: F811
     """sguser submits, through gsbatch on the real cluster, a script whose file and job name are not
-    UTF-8 (caf\\xe9) and one with 162,000 directives sbatch ignores (a 15 MB record before). Both
-    records are stored: the bytes kept (base64), the long list cut to 100 entries and a count."""
+    UTF-8 (caf\\xe9), one with 1,900 directives sbatch ignores and one with 162,000 (a 15 MB record
+    before; now past the directive budget: not read, submitted and recorded as kept). Every record
+    is stored: the bytes kept (base64), the long list cut to 100 entries and a count."""
     scripts = tempfile.mkdtemp(prefix="sg-scripts-")
     head = "#!/bin/bash\n#SBATCH -o /dev/null -t 1 --chdir=/tmp -p gpu-small --gres=gpu:t4:1\n"
     Path(os.fsdecode(os.path.join(os.fsencode(scripts), b"caf\xe9.sh"))).write_bytes(
         head.encode() + b"#SBATCH --job-name=caf\xe9\ntrue\n")
-    Path(scripts, "ignored.sh").write_text(head + "true\n" + "".join(f"#SBATCH --x{i}\n" for i in range(162_000)))
+    Path(scripts, "ignored.sh").write_text(head + "true\n" + "".join(f"#SBATCH --x{i}\n" for i in range(1_900)))
+    Path(scripts, "unread.sh").write_text(head + "true\n" + "".join(f"#SBATCH --x{i}\n" for i in range(162_000)))
     for name in os.listdir(scripts):
         os.chmod(os.path.join(scripts, name), 0o644)
     os.chmod(scripts, 0o755)
@@ -220,15 +222,17 @@ def test_every_job_sbatch_took_gets_a_record_the_ingest_stores(site: Site, submi
     ingest.load_jobs(db.make_engine(site.url), [job(jid, USER) for jid in submitted])  # as sacct will show them
 
     res = as_user(NIGHTLY, cli_ingest, site.url, site.subs, site.gpus)
-    assert res["code"] == 0 and "2 spool records loaded, 0 rejected" in res["stdout"], res
+    assert res["code"] == 0 and "3 spool records loaded, 0 rejected" in res["stdout"], res
     with db.make_engine(site.url).connect() as conn:
         rows = {r.job_id: r for r in conn.execute(select(db.Submission.job_id, db.Submission.features,
-                                                         db.Submission.original_request))}
-    named, ignored = (rows[jid] for jid in submitted[:2])
+                                                         db.Submission.original_request, db.Submission.decision))}
+    named, ignored, unread = (rows[jid] for jid in submitted[:3])
     assert named.features["script_name"] == {"base64": base64.b64encode(b"caf\xe9.sh").decode()}
     assert named.original_request["job_name"] == {"base64": base64.b64encode(b"caf\xe9").decode()}
     lines = ignored.original_request["ignored_directives"]
-    assert len(lines) == 101 and lines[0]["text"] == "#SBATCH --x0" and lines[-1] == {"omitted": 161_900}, lines[-1]
+    assert len(lines) == 101 and lines[0]["text"] == "#SBATCH --x0" and lines[-1] == {"omitted": 1_800}, lines[-1]
+    assert unread.original_request is None and unread.decision["decider"] == "keep"
+    assert "162,001 directive lines" in unread.decision["reasons"][0]
 
 
 WRITTEN = st.recursive(

@@ -226,9 +226,10 @@ ENV_BY_OPTION: dict[str, str] = {v: k for k, v in ENV_OPTIONS.items()}
 class OptionError(ValueError):
     """An option sbatch would not accept as written (ambiguous, missing argument)."""
 
-    def __init__(self, option: str, message: str) -> None:
+    def __init__(self, option: str, message: str, at: int | None = None) -> None:
         super().__init__(message)
         self.option = option
+        self.at = at  # the index of the word it is about, where split_options knows it
 
 
 def lookup_long(word: str, table: OptionTable | None = None) -> OptionSpec | None:
@@ -276,20 +277,24 @@ def split_options(words: list[str], table: OptionTable | None = None) -> tuple[l
         if word.startswith("--"):
             body = word[2:]
             name, eq, attached = body.partition("=")
-            spec = lookup_long(name, table)
+            try:
+                spec = lookup_long(name, table)
+            except OptionError as exc:
+                exc.at = i
+                raise
             if spec is None:
                 out.append(ParsedOption(word.split("=", 1)[0], attached if eq else None, i, i, known=False))
                 i += 1
                 continue
             if spec.arg is Arg.NONE:
                 if eq:
-                    raise OptionError("--" + spec.name, f"option '--{spec.name}' doesn't allow an argument")
+                    raise OptionError("--" + spec.name, f"option '--{spec.name}' doesn't allow an argument", i)
                 out.append(ParsedOption(spec.name, None, i, i))
             elif eq or spec.arg is Arg.OPTIONAL:
                 out.append(ParsedOption(spec.name, attached if eq else None, i, i))
             else:
                 if i + 1 >= len(words):
-                    raise OptionError("--" + spec.name, f"option '--{spec.name}' requires an argument")
+                    raise OptionError("--" + spec.name, f"option '--{spec.name}' requires an argument", i)
                 out.append(ParsedOption(spec.name, words[i + 1], i, i + 1))
                 i += 1
             i += 1
@@ -311,7 +316,7 @@ def split_options(words: list[str], table: OptionTable | None = None) -> tuple[l
                 out.append(ParsedOption(spec.name, rest or None, i, i))
             else:
                 if i + 1 >= len(words):
-                    raise OptionError("-" + word[j], f"option requires an argument -- '{word[j]}'")
+                    raise OptionError("-" + word[j], f"option requires an argument -- '{word[j]}'", i)
                 out.append(ParsedOption(spec.name, words[i + 1], i, i + 1))
                 i += 1
             break

@@ -364,7 +364,8 @@ def _directives_of(words: list[tuple[int, Word]], component: int, path: str) -> 
     try:
         options, operand = split_options([w.text for _, w in words])
     except OptionError as exc:
-        line = words[-1][0] if words else None  # getopt runs out of words at the component's end
+        # the word it is about; an argument missing at the component's end: its last line
+        line = words[min(exc.at, len(words) - 1)][0] if words and exc.at is not None else None
         raise InputError(str(exc), file=path, line=line, option=exc.option, exit_code=SBATCH_USAGE) from None
     found = [
         Directive(words[o.first][0], component, o.name, o.value, tuple(w for _, w in words[o.first : o.last + 1]),
