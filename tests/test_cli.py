@@ -68,7 +68,7 @@ def test_db_commands(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'h.db'}"
     current = sh(str(BIN / "slurmgpu"), "--db", url, "db", "current")
     assert current.returncode == 1 and "at revision none" in current.stdout
-    assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "upgrade").stdout.strip().endswith("at revision 0003")
+    assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "upgrade").stdout.strip().endswith("at revision 0004")
     assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "current").returncode == 0
     assert sh(str(BIN / "slurmgpu"), "--db", url, "db", "downgrade").stdout.strip().endswith("at revision base")
     jobs = sh(str(BIN / "slurmgpu"), "--db", url, "jobs", "--json")

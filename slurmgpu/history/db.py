@@ -48,6 +48,7 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         UniqueConstraint("cluster", "job_id", name="uq_jobs_cluster_job_id"),
+        UniqueConstraint("cluster", "retry_of", name="uq_jobs_cluster_retry_of"),  # a job is retried once
         Index("ix_jobs_user_submit", "user", "submit_time"),
         Index("ix_jobs_submit", "submit_time"),
         Index("ix_jobs_end", "end_time"),
@@ -91,6 +92,8 @@ class Job(Base):
     sacct_gpu_util: Mapped[float | None] = mapped_column(Float)  # steps' TRESUsageInMax gres/gpuutil
     # gsbatch's decision, from the "slurmgpu:d=<id>;..." tag in the comment (links to submissions.decision_id)
     decision_id: Mapped[str | None] = mapped_column(String(12), index=True)
+    # The job this one retries (``slurmgpu retry`` after a GPU OOM; migration 0004): set by retry, never by sacct
+    retry_of: Mapped[str | None] = mapped_column(String(64))
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, onupdate=utcnow)
 
 

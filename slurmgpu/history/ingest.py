@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from sqlalchemy.dialects.sqlite.dml import Insert as SqliteInsert
 
 JOBS: Table = Job.__table__  # type: ignore[assignment]
-JOB_COLUMNS = tuple(c.name for c in JOBS.columns if c.name not in ("id", "updated_at"))
+# What sacct fills; ``retry_of`` is slurmgpu retry's link, which an ingest never changes.
+JOB_COLUMNS = tuple(c.name for c in JOBS.columns if c.name not in ("id", "updated_at", "retry_of"))
 OVERLAP = timedelta(minutes=30)
 
 
