@@ -1,4 +1,4 @@
-"""`slurmgpu retry`: requeue GPU out-of-memory jobs once onto a card that holds them (opt-in)."""
+"""`slurmgpu retry`: run GPU out-of-memory jobs again once, as new jobs, on a card that holds them (opt-in)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from slurmgpu.pipeline.errors import InputError
 @click.option("--cluster", default=None, help="Cluster name in the history (default: the config's).")
 @click.pass_context
 def retry_cmd(ctx: click.Context, since_hours: float, cluster: str | None) -> None:
-    """Requeue each job that ran out of GPU memory (the collector's finding, after `slurmgpu ingest`)
-    once, onto the smallest larger card the model says holds it, when `[policy] oom_retry = true`.
-    Run it as root (scontrol requeue), after each ingest."""
+    """Submit each job that ran out of GPU memory (the collector's finding, after `slurmgpu ingest`)
+    again once, as a new job of its owner's, on the smallest larger card the model says holds it,
+    when `[policy] oom_retry = true`. Run it as root (it submits as the job's owner), after each ingest."""
     from slurmgpu.apps import retry
     from slurmgpu.pipeline.bundle import Bundle
     from slurmgpu.slurm.partitions import read_partitions
@@ -31,7 +31,7 @@ def retry_cmd(ctx: click.Context, since_hours: float, cluster: str | None) -> No
         click.echo("slurmgpu retry: [policy] oom_retry is off in the config; nothing done", err=True)
         return
     if os.geteuid() != 0:
-        fail(InputError("must run as root (requeueing other users' jobs takes a Slurm operator)"))
+        fail(InputError("must run as root (it submits each job again as its owner)"))
     cluster = cluster or config.site.cluster or "slurmgpu"
     try:
         admits = retry.slurm_admits(read_partitions())

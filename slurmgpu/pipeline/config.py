@@ -49,7 +49,7 @@ class Policy(NamedTuple):
     min_history: int = 3  # jobs of a family before its predictions are trusted
     scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
     mode: str = REWRITE  # "advise": decide and record, submit as written (see pipeline/modes.py)
-    oom_retry: bool = False  # `slurmgpu retry` requeues a GPU-OOM job once onto a larger card
+    oom_retry: bool = False  # `slurmgpu retry` runs a GPU-OOM job again once on a larger card
     # The model may move a job to any configured partition whose Slurm rules admit it, not only
     # among the types of the partition it asked for (a faster or idle card elsewhere).
     move_partitions: bool = False

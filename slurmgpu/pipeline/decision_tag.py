@@ -1,7 +1,7 @@
 """The decision tag: a short record of gsbatch's decision that travels with the job in its comment.
 
 ``slurmgpu:d=<decision id>;m=<decider>;p=<predicted peak GiB per GPU>;t=<predicted minutes>`` (p and t
-only when the model predicted them; ``r=1`` once ``slurmgpu retry`` has requeued the job). With
+only when the model predicted them; ``r=1`` on the new job ``slurmgpu retry`` submits for it). With
 ``AccountingStoreFlags=job_comment`` sacct keeps it as the job's Comment, so the ingest links each
 job to the submission record of the decision that placed it. Never set over a user's own comment.
 """
@@ -40,7 +40,7 @@ def parse_tag(comment: str | None) -> dict[str, str] | None:
 
 
 def with_retry_mark(tag: str) -> str:
-    """The tag of a job requeued once after a GPU OOM (``r=1``)."""
+    """The tag of the job retried once after a GPU OOM (``r=1``)."""
     fields = parse_tag(tag)
     return tag if fields is None or "r" in fields else f"{tag};r=1"
 
