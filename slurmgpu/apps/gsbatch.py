@@ -514,7 +514,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         _note(sys.stderr, "note", text)
     _mode_notes(p)
     if out.refused:
-        _note(sys.stderr, "error", f"{inv.script or 'job'}: {out.refused}")
+        from slurmgpu.pipeline.request import COMMAND_LINE
+
+        name = inv.script or "<stdin>"  # a refusal that names where its cause was set is not led by the script
+        located = out.refused.startswith((f"{COMMAND_LINE}: ", f"{name}:")) and not inv.wrap
+        _note(sys.stderr, "error", out.refused if located else f"{inv.script or 'job'}: {out.refused}")
         return 1
     if dry:
         _change_notes(inv, out)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
-from slurmgpu.pipeline.request import JobRequest, build_request
+from slurmgpu.pipeline.request import COMMAND_LINE, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
 from slurmgpu.pipeline.script import GPU_MEM, BatchScript, parse_gpu_mem
 
@@ -59,7 +59,7 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
         if ask is None:
             raise  # the model's or the rules' own change: the job goes as written, with a warning
         # the user asked for this memory: submitted without it, the job could land on a smaller card
-        decision = Decision(refusal=f"{ask.label}: the GPU request cannot be rewritten ({exc})",
+        decision = Decision(refusal=ask.refusal(f"the GPU request cannot be rewritten ({exc})"),
                             decider=decision.decider)
         submission = apply(request, decision)
     return Plan(request, decision, submission, tag=_tag(request, decision, script, options))
@@ -88,7 +88,10 @@ def gpu_mem_ask(script: BatchScript | None, cli: str | None) -> GpuMemAsk | None
     """``--gpu-mem`` as asked: the command line's, else the script's ``#GSBATCH`` line's; a size
     that cannot be read is an InputError naming the option (and the line, in the script)."""
     if cli is not None:
-        return GpuMemAsk(parse_gpu_mem(cli), cli, "command line")
+        try:
+            return GpuMemAsk(parse_gpu_mem(cli), cli, COMMAND_LINE)
+        except InputError as exc:
+            raise exc.located(file=COMMAND_LINE) from None
     if script is None or script.gpu_mem is None:
         return None
     value, line = script.gpu_mem

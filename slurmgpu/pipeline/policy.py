@@ -723,6 +723,10 @@ class GpuMemAsk(NamedTuple):
         plain = self.spelled.strip().upper().removesuffix("B").removesuffix("I") == f"{self.shown}G"
         return f"--gpu-mem {self.shown} GiB" + ("" if plain else f" ({self.spelled.strip()})")
 
+    def refusal(self, why: str) -> str:
+        """Why the ask cannot be met, led by where it was made (``command line: --gpu-mem ...``)."""
+        return f"{self.where}: {self.label}: {why}"
+
 
 def _gib(value: float) -> str:
     return f"{value:g} GiB"
@@ -745,7 +749,7 @@ def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk) -> Dec
     admits: Admits | None = getattr(decider, "admits", None)
 
     def refuse(why: str) -> Decision:
-        return Decision(refusal=f"{label}: {why}", decider=name)
+        return Decision(refusal=ask.refusal(why), decider=name)
 
     if request.is_hetjob:
         return refuse("not for heterogeneous jobs; write the GPU type in each component")
