@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from slurmgpu.apps import gsbatch
-from slurmgpu.pipeline.policy import RuleDecider
 from slurmgpu.slurm.backend import Submitted
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +44,11 @@ def job(*directives: str, command: str = "srun python train.py") -> str:
 
 
 def env_for(tmp_path: Path, config: Path | str = SAMPLE) -> dict[str, str]:
-    return {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(config), "HOME": str(tmp_path),
-            "XDG_CACHE_HOME": str(tmp_path), "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path / "spool")}
+    """gsbatch's environment: this checkout's code, the config, a spool of the test's own."""
+    (tmp_path / "spool").mkdir(exist_ok=True)
+    return {"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(ROOT), "SLURMGPU_CONFIG": str(config),
+            "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path),
+            "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path / "spool")}
 
 
 def run(tmp_path: Path, argv: list[str], text: str, config: Path | str = SAMPLE,
@@ -55,8 +57,8 @@ def run(tmp_path: Path, argv: list[str], text: str, config: Path | str = SAMPLE,
     script = tmp_path / "job.sh"
     script.write_text(text)
     backend = backend or Recording()
-    import io
     import contextlib
+    import io
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -92,3 +94,87 @@ def test_a_gpu_mem_refusal_names_the_command_line_or_the_line(tmp_path: Path) ->
                                  "type has that much memory per GPU (largest: a100, 80 GiB)"]
     code, err, _ = run(tmp_path, ["--gpu-mem=12"], text)
     assert code == 1 and err[0].startswith("gsbatch: error: command line: --gpu-mem: cannot read size '12'")
+
+
+# --- item 2: the user's own --gpu-mem is applied in every mode, or refused -------------------------
+
+ADVISE = ('mode = "rewrite"', 'mode = "advise"')
+MEM_JOB = job("#SBATCH -J x", "#GSBATCH --gpu-mem=24G")
+
+
+def waiver_for(text: str) -> str:
+    import pwd
+
+    from slurmgpu.pipeline.features import script_features
+
+    user, family = pwd.getpwuid(os.getuid()).pw_name, script_features(text)["family"]
+    return (f'\n[[waivers]]\nuser = "{user}"\nfamily = "{family}"\n'
+            'reason = "A/B test"\nowner = "hpc-admin"\nexpires = 2999-12-31\n')
+
+
+@pytest.mark.parametrize("setting", ["advise", "waiver", "keep decider"])
+def test_the_gpu_mem_ask_is_applied_in_advise_mode_under_a_waiver_and_with_the_keep_decider(
+        tmp_path: Path, setting: str) -> None:
+    """Advise mode gave 'advice: 1 x v100 instead of 0 x any GPU ...; submitted as written' and a
+    GPU-less job; modes, waivers and the decider govern slurmgpu's own changes, not the user's ask."""
+    config = {"advise": lambda: config_with(tmp_path, *ADVISE),
+              "waiver": lambda: config_with(tmp_path, 'mode = "rewrite"', 'mode = "rewrite"', waiver_for(MEM_JOB)),
+              "keep decider": lambda: config_with(tmp_path, 'decider = "rules"', 'decider = "keep"')}[setting]()
+    code, err, backend = run(tmp_path, ["--hold"], MEM_JOB, config)
+    (words, script), = backend.calls
+    assert code == 0 and "#SBATCH --gres=gpu:v100:1\n" in script, (err, script)
+    assert err == ["gsbatch: note: GPU request changed: --gpu-mem 24 GiB: v100 (32 GiB) chosen (balanced: the "
+                   "smallest card that holds it); the job asked for no GPU: 1 x v100 added"]
+
+
+def test_without_a_usable_config_the_gpu_mem_ask_is_refused_not_dropped(tmp_path: Path) -> None:
+    """It was 'note: --gpu-mem 24 GiB not applied: keep decider', exit 0 and a GPU-less job."""
+    code, err, backend = run(tmp_path, [], MEM_JOB, config=tmp_path / "missing.toml")
+    assert code == 1 and not backend.calls
+    assert err == [f"gsbatch: error: {tmp_path / 'job.sh'}:3: --gpu-mem 24 GiB: cannot be met without a usable "
+                   f"slurmgpu config (slurmgpu config unusable ({tmp_path / 'missing.toml'}: config file not found)); "
+                   "nothing submitted"]
+    code, err, backend = run(tmp_path, [], job("#SBATCH --gres=gpu:1"), config=tmp_path / "missing.toml")
+    assert code == 0 and len(backend.calls) == 1 and err[0].endswith("; submitting as written")
+
+
+@pytest.mark.parametrize(("argv", "text", "opt_out"), [
+    (["--no-rewrite"], MEM_JOB, "--no-rewrite"),
+    (["--gpu-mem=24G"], job("#GSBATCH --no-rewrite"), "'#GSBATCH --no-rewrite'")])
+def test_gpu_mem_with_no_rewrite_is_refused_not_dropped(tmp_path: Path, argv: list[str], text: str,
+                                                        opt_out: str) -> None:
+    code, err, backend = run(tmp_path, argv, text)
+    assert code == 1 and not backend.calls and len(err) == 1
+    assert err[0].endswith(f"--gpu-mem 24 GiB: cannot be applied: {opt_out} keeps the request as written; "
+                           "drop one of them"), err
+
+
+JOB_NAME = f"gstruth-{os.getpid()}"
+
+
+@pytest.fixture
+def held() -> Iterator[list[str]]:
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], check=False, capture_output=True)
+
+
+def live_gsbatch(tmp_path: Path, argv: list[str], config: Path = SAMPLE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["gsbatch", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=env_for(tmp_path, config), timeout=60, check=False)
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+@pytest.mark.slurm
+def test_slurm_gets_the_gpu_mem_asked_in_advise_mode(tmp_path: Path, held: list[str]) -> None:
+    (tmp_path / "mem.sh").write_text(MEM_JOB)
+    res = live_gsbatch(tmp_path, ["--hold", "--parsable", "-J", JOB_NAME, "mem.sh"], config_with(tmp_path, *ADVISE))
+    assert res.returncode == 0, res.stderr
+    held.append(res.stdout.strip().split(";")[0])
+    info = show_job(held[-1])
+    assert re.fullmatch(r"(?:gres[:/])?gpu:v100:1", info.get("TresPerNode", "")), info

@@ -149,9 +149,10 @@ def read_stdin(stream: TextIO | None = None) -> bytes:
 
 
 def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None,
-         stdin_data: bytes | None = None) -> Plan:
+         stdin_data: bytes | None = None, config: Config | None = None) -> Plan:
     """Parse, decide and rewrite in this process; raises InputError for bad user input.
-    A script on stdin is ``stdin_data`` when the caller already read it, else read here."""
+    A script on stdin is ``stdin_data`` when the caller already read it, else read here.
+    ``config``: the site's, by which a --gpu-mem is met whatever the decider."""
     from slurmgpu.pipeline.plan import make_plan, unread_plan
     from slurmgpu.pipeline.script import Unread, decode, parse_script, read_script
 
@@ -170,7 +171,7 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
             return unread_plan(str(exc), decode(exc.data), inv.options)._replace(stdin=stdin_data)
     features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
     made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags,
-                     gpu_mem=inv.gpu_mem)
+                     gpu_mem=inv.gpu_mem, config=config)
     return made._replace(stdin=stdin_data)
 
 
@@ -207,8 +208,8 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
         from slurmgpu.pipeline.validate import check_plan
 
         decision = reply["plan"].get("decision")
-        if isinstance(decision, dict) and decision.get("refused") is not None:
-            return None
+        if isinstance(decision, dict) and (decision.get("refused") is not None or decision.get("asked")):
+            return None  # the user's own ask (a '#GSBATCH --gpu-mem' line) is met here, whatever the mode
 
         problem = check_plan(reply["plan"], config, text, inv.options, env=env)
         if problem is None:
@@ -216,7 +217,8 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
         from slurmgpu.pipeline.policy import KeepDecider
 
         _note(sys.stderr, "warning", f"slurmgpu serve's answer not applied ({problem}); request kept as written")
-        kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"))
+        kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"),
+                    config=config)
         return dict(kept.to_json(), stdin=kept.stdin, script_data=data)
     return None
 
@@ -421,7 +423,7 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
         from slurmgpu.apps.site import site_decider
 
         decider = site_decider(config, backend, env, deadline)
-    p = plan(inv, env, decider, stdin_data=stdin_data)
+    p = plan(inv, env, decider, stdin_data=stdin_data, config=config)
     if "--explain" in inv.flags and p.request is not None:
         text = explain_text(p.request, p.decision)
         try:
@@ -437,17 +439,17 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     return made
 
 
-def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None]:
+def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None, str | None]:
     """The site config; one that cannot be used (missing, unreadable, not UTF-8, invalid) gives
-    one warning and the keep decider, so the job goes as written (bad input is still refused)."""
+    the keep decider, so the job goes as written (bad input, and a --gpu-mem that cannot be met
+    without the config, are still refused), and the warning to print when it does go."""
     try:
-        return load_site(inv.config, env), None
+        return load_site(inv.config, env), None, None
     except Exception as exc:  # noqa: BLE001 - ConfigError, or any fault reading it
         from slurmgpu.pipeline.policy import KeepDecider
 
-        why = str(exc) if isinstance(exc, ConfigError) else _fault(exc)
-        _note(sys.stderr, "warning", f"slurmgpu config unusable ({why}); submitting as written")
-        return None, KeepDecider("config unusable")
+        why = f"slurmgpu config unusable ({str(exc) if isinstance(exc, ConfigError) else _fault(exc)})"
+        return None, KeepDecider(why), f"{why}; submitting as written"
 
 
 def _show(inv: Invocation, out: Outcome) -> int:
@@ -497,7 +499,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         except Exception as exc:  # noqa: BLE001 - sbatch reads whatever is left of stdin itself
             return as_written(inv, backend, env, None, f"stdin not readable ({_fault(exc)})")
     dry = bool({"--dry-run", "--diff"} & inv.flags)
-    config, fallback = _load(inv, env)
+    config, fallback, unusable = _load(inv, env)
     try:
         p = _decide(inv, env, config, backend, fallback or decider, stdin_data)
         p = resolve_mode(inv, config, p)
@@ -506,10 +508,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if isinstance(exc, InputError) and not isinstance(exc, ConfigError):
             _note(sys.stderr, "error", str(exc))  # the user's input: refused, as sbatch would
             return exc.exit_code
+        if unusable:
+            _note(sys.stderr, "warning", unusable)
         if dry:
             _note(sys.stderr, "error", f"slurmgpu failed: {_fault(exc)}")
             return 1
         return as_written(inv, backend, env, stdin_data, f"slurmgpu failed ({_fault(exc)})")
+    if unusable and not out.refused:
+        _note(sys.stderr, "warning", unusable)
     for text in out.notes:
         _note(sys.stderr, "note", text)
     _mode_notes(p)

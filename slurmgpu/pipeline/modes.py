@@ -135,8 +135,11 @@ def advised(decision: Mapping[str, Any], resolution: Resolution) -> dict[str, An
 def apply_resolution(plan: Mapping[str, Any], resolution: Resolution, options: Sequence[str]) -> dict[str, Any]:
     """The plan (``Plan.to_json`` form) as the resolution wants it submitted: a waiver or advise
     mode puts the submission back as written (``options``: sbatch's words as the user gave them)
-    and says so in the decision and the record; rewrite mode leaves it as it is."""
+    and says so in the decision and the record; rewrite mode leaves it as it is. A decision that
+    carries out the user's own ask (``asked``: ``--gpu-mem``) is submitted in every mode."""
     decision = plan["decision"]
+    if decision.get("asked"):
+        return dict(plan)
     if decision.get("refused") is not None or not decision.get("changes"):
         if resolution.mode == ADVISE:
             return _with(plan, advised(decision, resolution), plan["submission"])

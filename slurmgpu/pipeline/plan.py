@@ -8,13 +8,16 @@ the same JSON form (``Plan.to_json``), so what is submitted cannot depend on whe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import COMMAND_LINE, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
-from slurmgpu.pipeline.script import GPU_MEM, BatchScript, parse_gpu_mem
+from slurmgpu.pipeline.script import BatchScript, parse_gpu_mem
+
+if TYPE_CHECKING:
+    from slurmgpu.pipeline.config import Config
 
 
 class Plan(NamedTuple):
@@ -37,9 +40,11 @@ class Plan(NamedTuple):
 
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
-              gpu_features: Set[str], no_rewrite: bool = False, gpu_mem: str | None = None) -> Plan:
+              gpu_features: Set[str], no_rewrite: bool = False, gpu_mem: str | None = None,
+              config: Config | None = None) -> Plan:
     """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input.
-    ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's."""
+    ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's;
+    ``config``: the site's, which a ``--gpu-mem`` is met by when the decider has none of its own."""
     request = build_request(script, options, env, gpu_features)
     ask = gpu_mem_ask(script, gpu_mem)
     # Over the budget the decider reads the request alone, as for a job without a script.
@@ -47,10 +52,12 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
     if no_rewrite or (script is not None and script.keep_marker):
         why = "--no-rewrite given; request kept" if no_rewrite or script is None else script.keep_reason
         decision = KeepDecider(why).decide(request)
-        if ask is not None:
-            decision = decision._replace(reasons=(*decision.reasons, f"{ask.label} not applied: {why}"))
+        if ask is not None:  # two asks of the user's that cannot both be met: neither is dropped silently
+            opt_out = "--no-rewrite" if no_rewrite or script is None else f"'{script.keep_spelled}'"
+            decision = Decision(refusal=ask.refusal(f"cannot be applied: {opt_out} keeps the request as "
+                                                    "written; drop one of them"), decider=decision.decider)
     elif ask is not None:
-        decision = decide_gpu_mem(decider, read, ask)
+        decision = decide_gpu_mem(decider, read, ask, config)
     else:
         decision = decider.decide(read)
     try:
@@ -132,9 +139,7 @@ def notes(plan: Plan) -> list[str]:
     script = plan.request.script if plan.request else None
     said = [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
     said += [plan.unread] if plan.unread else []
-    said += [budget_note(script)] if script is not None and over_budget(script) else []
-    # --gpu-mem asked but not applied (an opt-out, or a decider that changes nothing): said, not silent
-    return said + [r for r in plan.decision.reasons if r.startswith(GPU_MEM + " ") and " not applied: " in r]
+    return said + ([budget_note(script)] if script is not None and over_budget(script) else [])
 
 
 def record_fields(plan: Plan) -> dict[str, Any]:

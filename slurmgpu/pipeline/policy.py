@@ -54,13 +54,16 @@ class Decision(NamedTuple):
     refusal: str | None = None
     decider: str = "keep"
     per_type: tuple[Candidate, ...] = ()
+    # The user's own ask this decision carries out (``--gpu-mem 24 GiB``): advise mode and waivers
+    # govern slurmgpu's own changes, never what the user asked for.
+    asked: str | None = None
 
     @property
     def changed(self) -> bool:
         return bool(self.changes)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "decider": self.decider,
             "changed": self.changed,
             "refused": self.refusal,
@@ -68,6 +71,7 @@ class Decision(NamedTuple):
             "reasons": list(self.reasons),
             "per_type": [c._asdict() for c in self.per_type],
         }
+        return {**out, "asked": self.asked} if self.asked else out
 
 
 KEEP = Decision()
@@ -732,19 +736,30 @@ def _gib(value: float) -> str:
     return f"{value:g} GiB"
 
 
-def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk) -> Decision:
+def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk, config: Config | None = None) -> Decision:
     """``--gpu-mem``: a typed request for a GPU type with at least ``ask.gib`` per GPU, chosen by
     the policy's objective among the job's partition's types, else in another configured partition
     that has one and admits the job (the decider's ``admits``, where it has one). The count stays
     as asked (1 GPU when the job asks for none); the decider's other changes do not apply, so a
     model cannot move the job to a smaller card. A model decider adds its predicted peak to the
     reason. No such type anywhere, or a request that cannot carry it, is a refusal naming the option.
-    A decider without a config (no config, ``decider = "keep"``) decides alone: nothing changes."""
-    config = getattr(decider, "config", None)
+    A decider without a config of its own (``decider = "keep"``, a model that cannot be used) reads
+    the site's CONFIG; with none at all the ask cannot be met and is refused: the user's own ask is
+    never dropped."""
+    own = getattr(decider, "config", None)
+    config = own if isinstance(own, Config) else config
     name = getattr(decider, "name", "keep")
     if not isinstance(config, Config):
-        kept = decider.decide(request)
-        return kept._replace(reasons=(*kept.reasons, f"{ask.label} not applied: {name} decider, nothing changes"))
+        why = "; ".join(r.removesuffix("; request kept") for r in decider.decide(request).reasons)
+        return Decision(refusal=ask.refusal(f"cannot be met without a usable slurmgpu config ({why or 'none'}); "
+                                            "nothing submitted"), decider=name)
+    decision = _gpu_mem(decider, config, request, ask)
+    return decision if decision.refusal else decision._replace(asked=ask.label)
+
+
+def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemAsk) -> Decision:
+    """decide_gpu_mem with the config to decide by."""
+    name = getattr(decider, "name", "keep")
     label, comp = ask.label, request.main
     admits: Admits | None = getattr(decider, "admits", None)
 

@@ -101,10 +101,14 @@ class BatchScript(NamedTuple):
         return "--no-rewrite" in self.gsbatch_options or self.legacy_keep
 
     @property
+    def keep_spelled(self) -> str:
+        """The script's opt-out line as it spells it."""
+        return "#GSBATCH --no-rewrite" if "--no-rewrite" in self.gsbatch_options else "#SLURMGPU keep"
+
+    @property
     def keep_reason(self) -> str:
         """Why the request stands, in the script's own spelling."""
-        spelled = "#GSBATCH --no-rewrite" if "--no-rewrite" in self.gsbatch_options else "#SLURMGPU keep"
-        return f"the script says '{spelled}'; request kept"
+        return f"the script says '{self.keep_spelled}'; request kept"
 
     @property
     def data(self) -> bytes:
