@@ -178,3 +178,34 @@ def test_slurm_gets_the_gpu_mem_asked_in_advise_mode(tmp_path: Path, held: list[
     held.append(res.stdout.strip().split(";")[0])
     info = show_job(held[-1])
     assert re.fullmatch(r"(?:gres[:/])?gpu:v100:1", info.get("TresPerNode", "")), info
+
+
+# --- item 10: typos are said ------------------------------------------------------------------------
+
+
+def test_an_unknown_gsbatch_option_is_one_warning_with_the_name_meant(tmp_path: Path) -> None:
+    """'#GSBATCH --gpu-memory=24G' was ignored with no word: the job went without the memory asked."""
+    code, err, backend = run(tmp_path, [], job("#SBATCH --gres=gpu:1", "#GSBATCH --gpu-memory=24G"))
+    assert code == 0 and len(backend.calls) == 1  # sbatch ignores the line: never refused
+    assert err == [f"gsbatch: warning: {tmp_path / 'job.sh'}:3: unknown gsbatch option --gpu-memory=24G "
+                   "(did you mean --gpu-mem?); the line is ignored"]
+
+
+@pytest.mark.parametrize(("typed", "said"), [
+    ("--gpu-men=24G", "unrecognized option '--gpu-men' (did you mean --gpu-mem?)"),
+    ("--dryrun", "unrecognized option '--dryrun' (did you mean --dry-run?)"),
+    ("-X", "invalid option -- 'X'")])
+def test_dry_run_refuses_an_option_sbatch_refuses(tmp_path: Path, typed: str, said: str) -> None:
+    """'gsbatch --dry-run --gpu-men=24G' exited 0 while the real submission failed with 255."""
+    code, err, backend = run(tmp_path, ["--dry-run", typed], job("#SBATCH --gres=gpu:1"))
+    assert (code, err) == (255, [f"gsbatch: error: command line: {said}"]) and not backend.calls
+
+
+@pytest.mark.slurm
+def test_slurm_refuses_the_option_dry_run_refuses_with_the_same_status(tmp_path: Path) -> None:
+    (tmp_path / "job.sh").write_text(job("#SBATCH --gres=gpu:1"))
+    real = subprocess.run(["sbatch", "--hold", "--gpu-men=24G", "job.sh"], capture_output=True, text=True,
+                          cwd=tmp_path, check=False)
+    dry = live_gsbatch(tmp_path, ["--dry-run", "--gpu-men=24G", "job.sh"])
+    assert real.returncode == dry.returncode == 255 and "unrecognized option '--gpu-men" in real.stderr, real.stderr
+    assert dry.stdout == "" and dry.stderr.count("\n") == 1

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
-from slurmgpu.pipeline.errors import ConfigError, InputError, one_line
+from slurmgpu.pipeline.errors import SBATCH_USAGE, ConfigError, InputError, one_line
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
 
@@ -52,6 +52,7 @@ class Invocation(NamedTuple):
     wrap: bool = False
     pass_through: bool = False
     gpu_mem: str | None = None  # --gpu-mem=SIZE as typed ("" when given without a size)
+    unknown: tuple[str, ...] = ()  # options neither sbatch nor gsbatch knows, as typed: sbatch refuses them
 
     def sbatch_words(self, options: Sequence[str] | None = None, script: str | None = None) -> list[str]:
         words = list(self.options if options is None else options)
@@ -78,6 +79,7 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
         return Invocation(options=tuple(words), pass_through=True)  # let sbatch word the error itself
     flags, config, own = set(), None, set()
     gpu_mem: str | None = None
+    unknown: list[str] = []
     for o in opts:
         if not o.known and o.name in OWN_FLAGS:
             flags.add(o.name)
@@ -88,17 +90,31 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
         elif not o.known and o.name == "--gpu-mem":  # gsbatch's own: never handed to sbatch
             gpu_mem = o.value or ""
             own.add(o.first)
+        elif not o.known:
+            unknown.append(o.name)
     options = tuple(w for j, w in enumerate(words[:operand]) if j not in own)
     names = {o.name for o in opts}
     wrap = "wrap" in names
     base = Invocation(frozenset(flags), config, options, wrap=wrap, pass_through=bool(names & PASS_THROUGH),
-                      gpu_mem=gpu_mem)
+                      gpu_mem=gpu_mem, unknown=tuple(unknown))
     tail = tuple(words[operand:])
     if tail[:1] == (":",):  # a command-line hetjob: passed on untouched
         return base._replace(options=options + tail, pass_through=True)
     if tail and not wrap:
         return base._replace(script=tail[0], script_args=tail[1:])
     return base._replace(script_args=tail)
+
+
+def unrecognized(name: str) -> str:
+    """sbatch's refusal of an option it does not know, with the name most likely meant."""
+    from slurmgpu.pipeline.sbatch_options import active_long_names
+    from slurmgpu.pipeline.script import closest
+
+    long = name.startswith("--")
+    near = closest(name, [*OWN_FLAGS, "--gpu-mem", "--gs-config", *("--" + n for n in active_long_names())]) \
+        if long else None
+    what = f"unrecognized option '{name}'" if long else f"invalid option -- '{name[1:]}'"
+    return f"command line: {what}" + (f" (did you mean {near}?)" if near else "")
 
 
 def _note(stream: TextIO | None, kind: str, text: str) -> None:
@@ -230,6 +246,7 @@ class Outcome(NamedTuple):
     refused: str | None
     reasons: list[str]
     notes: list[str]
+    warnings: list[str]
     changed: bool
     script_text: str | None
     cli_words: list[str]
@@ -259,6 +276,7 @@ def checked(inv: Invocation, p: Any) -> Outcome:
         raise TypeError("plan field submission.env_overrides is not a mapping of strings")
     out = Outcome(_want(decision.get("refused"), (str, type(None)), "decision.refused"),
                   _strings(decision.get("reasons", []), "decision.reasons"), _strings(p.get("notes", []), "notes"),
+                  _strings(p.get("warnings", []), "warnings"),
                   _want(sub.get("changed"), bool, "submission.changed"),
                   _want(sub.get("script_text"), (str, type(None)), "submission.script_text"),
                   _strings(sub.get("cli_words"), "submission.cli_words"), dict(overrides),
@@ -499,6 +517,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         except Exception as exc:  # noqa: BLE001 - sbatch reads whatever is left of stdin itself
             return as_written(inv, backend, env, None, f"stdin not readable ({_fault(exc)})")
     dry = bool({"--dry-run", "--diff"} & inv.flags)
+    if dry and inv.unknown:  # sbatch would refuse it (a real submission hears it from sbatch itself)
+        _note(sys.stderr, "error", unrecognized(inv.unknown[0]))
+        return SBATCH_USAGE
     config, fallback, unusable = _load(inv, env)
     try:
         p = _decide(inv, env, config, backend, fallback or decider, stdin_data)
@@ -516,6 +537,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return as_written(inv, backend, env, stdin_data, f"slurmgpu failed ({_fault(exc)})")
     if unusable and not out.refused:
         _note(sys.stderr, "warning", unusable)
+    for text in out.warnings:
+        _note(sys.stderr, "warning", text)
     for text in out.notes:
         _note(sys.stderr, "note", text)
     _mode_notes(p)

@@ -14,7 +14,7 @@ from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import COMMAND_LINE, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
-from slurmgpu.pipeline.script import BatchScript, parse_gpu_mem
+from slurmgpu.pipeline.script import UNKNOWN_GS, BatchScript, parse_gpu_mem
 
 if TYPE_CHECKING:
     from slurmgpu.pipeline.config import Config
@@ -36,7 +36,7 @@ class Plan(NamedTuple):
         return {"decision": self.decision.to_json(),
                 "submission": {"script_text": sub.script_text, "cli_words": list(sub.cli_words),
                                "env_overrides": dict(sub.env_overrides), "changed": sub.changed},
-                "record": record_fields(self), "notes": notes(self), "tag": self.tag}
+                "record": record_fields(self), "notes": notes(self), "warnings": warnings(self), "tag": self.tag}
 
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
@@ -140,6 +140,16 @@ def notes(plan: Plan) -> list[str]:
     said = [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
     said += [plan.unread] if plan.unread else []
     return said + ([budget_note(script)] if script is not None and over_budget(script) else [])
+
+
+def warnings(plan: Plan) -> list[str]:
+    """What the user must hear though the job goes: a #GSBATCH option gsbatch does not know (a typo
+    of --gpu-mem would otherwise leave the job without the memory asked, unsaid)."""
+    script = plan.request.script if plan.request else None
+    if script is None:
+        return []
+    return [f"{script.path}:{d.line}: {d.reason}; the line is ignored"
+            for d in script.ignored if d.reason.startswith(UNKNOWN_GS)]
 
 
 def record_fields(plan: Plan) -> dict[str, Any]:
