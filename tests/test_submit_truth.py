@@ -209,3 +209,52 @@ def test_slurm_refuses_the_option_dry_run_refuses_with_the_same_status(tmp_path:
     dry = live_gsbatch(tmp_path, ["--dry-run", "--gpu-men=24G", "job.sh"])
     assert real.returncode == dry.returncode == 255 and "unrecognized option '--gpu-men" in real.stderr, real.stderr
     assert dry.stdout == "" and dry.stderr.count("\n") == 1
+
+
+# --- item 4: advice that can be true -----------------------------------------------------------------
+
+BERT = ROOT / "contrib" / "examples" / "bert_finetune.sh"
+CANNOT_RUN = ("gsbatch: advice: as written the job cannot run: GPU type a100 is not in partition gpu-small; moved to "
+              "gpu, which has it (1 x a100 in partition gpu instead of 1 x a100 in partition gpu-small); submitted as "
+              "written")
+
+
+def test_advice_says_when_the_job_as_written_cannot_run(tmp_path: Path) -> None:
+    code, err, backend = run(tmp_path, [], BERT.read_text(), config_with(tmp_path, *ADVISE))
+    assert code == 0 and backend.calls and CANNOT_RUN in err, err
+
+
+def test_advice_with_finish_times_never_compares_with_a_job_that_cannot_start() -> None:
+    """The model's advice said '1 x a100 in partition gpu would finish in ~4 min vs ~4 min as asked' for
+    a job Slurm refuses ('Requested node configuration is not available'), the rule's reason dropped."""
+    from slurmgpu.pipeline.modes import advice_line
+
+    row = {"gpu_type": "a100", "gpus": 1, "expected_wait_s": 0.0, "pred_runtime_s": 240.0}
+    decision = {"changes": [{"index": 0, "gpu_type": None, "gpus_total": None, "partition": "gpu"}],
+                "reasons": ["GPU type a100 is not in partition gpu-small; moved to gpu, which has it",
+                            "model: the request as asked is predicted best (balanced); no further change"],
+                "per_type": [row]}
+    original = {"gpu_type": "a100", "gpus_total": 1, "partition": "gpu-small"}
+    line = advice_line(original, {**decision, "unrunnable": "GPU type a100 is not in partition gpu-small"})
+    assert line.startswith("as written the job cannot run: GPU type a100 is not in partition gpu-small;")
+    assert "would finish" not in line
+    # a job that can run as asked: the times, and the rules' reason with them
+    faster = {**decision, "per_type": [row, {**row, "gpu_type": "v100", "pred_runtime_s": 120.0}],
+              "changes": [{"index": 0, "gpu_type": "v100", "gpus_total": None, "partition": None}],
+              "reasons": ["GPU type a100 is not in partition gpu-small; moved to gpu, which has it", "model: faster"]}
+    assert advice_line(original, faster) == ("1 x v100 would finish in ~2 min vs ~4 min as asked (50% sooner); GPU "
+                                              "type a100 is not in partition gpu-small; moved to gpu, which has it; "
+                                              "submitted as written")
+
+
+@pytest.mark.slurm
+def test_slurm_refuses_the_job_advice_calls_unrunnable(tmp_path: Path) -> None:
+    """What the advice says is Slurm's answer too: the job as written is refused."""
+    (tmp_path / "bert.sh").write_text(BERT.read_text())
+    # not held (Slurm takes a held job it can never start), and with a memory the node has
+    res = live_gsbatch(tmp_path, ["--parsable", "--mem=100M", "-c", "1", "-J", JOB_NAME, "bert.sh"],
+                       config_with(tmp_path, *ADVISE))
+    if res.returncode == 0:  # never expected: cancel what went in
+        subprocess.run(["scancel", res.stdout.strip().split(";")[0]], check=False)
+    assert res.returncode != 0 and "Requested node configuration is not available" in res.stderr, res.stderr
+    assert CANNOT_RUN in res.stderr.splitlines()

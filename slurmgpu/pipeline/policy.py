@@ -57,6 +57,9 @@ class Decision(NamedTuple):
     # The user's own ask this decision carries out (``--gpu-mem 24 GiB``): advise mode and waivers
     # govern slurmgpu's own changes, never what the user asked for.
     asked: str | None = None
+    # Why the request as written can never run (a GPU type its partition does not have): advice must
+    # not compare the decision with a job that would never start.
+    unrunnable: str | None = None
 
     @property
     def changed(self) -> bool:
@@ -71,7 +74,8 @@ class Decision(NamedTuple):
             "reasons": list(self.reasons),
             "per_type": [c._asdict() for c in self.per_type],
         }
-        return {**out, "asked": self.asked} if self.asked else out
+        extra = {k: v for k, v in (("asked", self.asked), ("unrunnable", self.unrunnable)) if v}
+        return {**out, **extra}
 
 
 KEEP = Decision()
@@ -123,6 +127,7 @@ class RuleDecider:
     def decide(self, request: JobRequest) -> Decision:
         changes: list[ComponentChange] = []
         reasons: list[str] = []
+        unrunnable: list[str] = []
         for comp in request.components:
             if not comp.gpus_total:  # no GPU option, or only zero counts (Slurm skips those)
                 continue
@@ -132,9 +137,24 @@ class RuleDecider:
             reasons.extend(why)
             if change:
                 changes.append(change)
+            if (gone := self._missing_type(comp, request.is_hetjob)) is not None:
+                unrunnable.append(gone)
         if not reasons:
             reasons.append(FITS_AS_ASKED)
-        return Decision(tuple(changes), tuple(reasons), decider=self.name)
+        return Decision(tuple(changes), tuple(reasons), decider=self.name, unrunnable="; ".join(unrunnable) or None)
+
+    def _missing_type(self, comp: ComponentRequest, het: bool) -> str | None:
+        """Why Slurm can never start the component as written: its GPU type is in none of the
+        partitions it names, all of them described by the config (else Slurm may know better)."""
+        cfg = self.config
+        asked = comp.partitions or ([cfg.default_partition] if cfg.default_partition else [])
+        gtype = cfg.type_for_feature(comp.gpu_type) if comp.gpu_type and not any(g.type for g in comp.gpus) \
+            else comp.gpu_type
+        if not asked or not gtype or any(p not in cfg.partitions for p in asked) \
+                or any(gtype in cfg.partitions[p].gpu_types for p in asked):
+            return None
+        label = f"component {comp.index}: " if het else ""
+        return f"{label}GPU type {gtype} is not in partition {','.join(asked)}"
 
     def _component(self, comp: ComponentRequest, het: bool) -> tuple[ComponentChange | None, list[str], str | None]:
         label = f"component {comp.index}: " if het else ""
@@ -364,7 +384,8 @@ class ModelDecider:
                    f"{self._fit_words(best, sf, req_total)}{_borderline(best, self.config.gpu_types[best.gpu_type])}")
         if busy and best.gpus < req_total:
             why += f"; this family's {busy[1]} runs on {req_total} GPUs kept at most {busy[0]} busy"
-        return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
+        return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type,
+                        unrunnable=rule.unrunnable)
 
     @staticmethod
     def _rule_reasons(rule: Decision) -> tuple[str, ...]:
