@@ -258,3 +258,64 @@ def test_slurm_refuses_the_job_advice_calls_unrunnable(tmp_path: Path) -> None:
         subprocess.run(["scancel", res.stdout.strip().split(";")[0]], check=False)
     assert res.returncode != 0 and "Requested node configuration is not available" in res.stderr, res.stderr
     assert CANNOT_RUN in res.stderr.splitlines()
+
+
+# --- item 5: a predicted out-of-memory is said ---------------------------------------------------------
+
+
+class Predicted:
+    """A model decider's decision without a model: the request kept, its row in the table predicted
+    at 24.2 GiB on a 16 GiB t4 (the job went with no word unless --explain)."""
+
+    name = "model"
+
+    def __init__(self, changes: tuple = ()) -> None:
+        self.changes = changes
+
+    def decide(self, request: object) -> object:
+        from slurmgpu.pipeline.policy import Candidate, Decision
+
+        table = (Candidate("t4", 1, False, 24.2 * 1024, 600.0, 0.0, 0.1),
+                 Candidate("v100", 1, True, 24.2 * 1024, 300.0, 0.0, 0.1))
+        return Decision(self.changes, ("model: no other candidate fits the predicted memory within the time limit; "
+                                       "request kept",), decider="model", per_type=table)
+
+
+T4_JOB = job("#SBATCH -p gpu-small", "#SBATCH --gres=gpu:t4:1", command="python train.py --batch-size 64")
+OOM = ("gsbatch: warning: predicted to run out of GPU memory: peak 24.2 GiB per GPU (26.6 GiB with the 10% margin) "
+       "does not fit 1 x t4 (16 GiB each)")
+
+
+@pytest.mark.parametrize("setting", ["kept", "advised"])
+def test_a_predicted_oom_where_the_job_goes_is_one_warning(tmp_path: Path, setting: str) -> None:
+    from slurmgpu.pipeline.policy import ComponentChange
+
+    script = tmp_path / "job.sh"
+    script.write_text(T4_JOB)
+    moved = (ComponentChange(0, gpu_type="v100", partition="gpu"),)
+    decider, config = (Predicted(), SAMPLE) if setting == "kept" else \
+        (Predicted(moved), config_with(tmp_path, *ADVISE))
+    backend = Recording()
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = gsbatch.main([str(script)], env=env_for(tmp_path, config), backend=backend, decider=decider)
+    assert code == 0 and len(backend.calls) == 1
+    assert err.getvalue().splitlines().count(OOM) == 1, err.getvalue()
+
+
+def test_no_warning_where_the_job_goes_to_a_card_it_fits(tmp_path: Path) -> None:
+    from slurmgpu.pipeline.policy import ComponentChange
+
+    script = tmp_path / "job.sh"
+    script.write_text(T4_JOB)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = gsbatch.main([str(script)], env=env_for(tmp_path), backend=Recording(),
+                            decider=Predicted((ComponentChange(0, gpu_type="v100", partition="gpu"),)))
+    assert code == 0 and "run out of GPU memory" not in err.getvalue()

@@ -537,6 +537,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return as_written(inv, backend, env, stdin_data, f"slurmgpu failed ({_fault(exc)})")
     if unusable and not out.refused:
         _note(sys.stderr, "warning", unusable)
+    if config is not None and not out.refused:
+        from slurmgpu.pipeline.plan import oom_warning
+
+        if (oom := oom_warning(p, {n: t.memory_gib for n, t in config.gpu_types.items()})) is not None:
+            _note(sys.stderr, "warning", oom)
     for text in out.warnings:
         _note(sys.stderr, "warning", text)
     for text in out.notes:
