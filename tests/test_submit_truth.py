@@ -319,3 +319,32 @@ def test_no_warning_where_the_job_goes_to_a_card_it_fits(tmp_path: Path) -> None
         code = gsbatch.main([str(script)], env=env_for(tmp_path), backend=Recording(),
                             decider=Predicted((ComponentChange(0, gpu_type="v100", partition="gpu"),)))
     assert code == 0 and "run out of GPU memory" not in err.getvalue()
+
+
+# --- item 6: no line claims a fit with a peak above the card ----------------------------------------
+
+
+def test_a_fit_on_past_runs_says_so_and_never_reads_as_a_predicted_fit() -> None:
+    """The hint said 'batch size 256 would fit 1 x a100 (predicted peak 95.4 GiB of 80 GiB)'."""
+    from slurmgpu.pipeline.policy import fit_evidence
+
+    assert fit_evidence(28.2 * 1024, 0.1, 32) == "predicted peak 28.2 GiB of 32 GiB"
+    words = fit_evidence(95.4 * 1024, 0.1, 80)
+    assert words == ("by its family's runs, which held on 80 GiB cards at this batch or larger; the predicted peak "
+                     "95.4 GiB is above the card")
+    assert fit_evidence(78 * 1024, 0.1, 80, of_card=False).startswith("by its family's runs")  # with the margin
+
+
+def test_the_explain_table_tells_a_fit_on_past_runs_from_a_predicted_one(tmp_path: Path) -> None:
+    """The table said 'a100 1 yes 95.4' of an 80 GiB card."""
+    from slurmgpu.pipeline.policy import Candidate, Decision
+    from slurmgpu.pipeline.request import build_request
+    from slurmgpu.pipeline.script import parse_script
+
+    request = build_request(parse_script(job("#SBATCH --gres=gpu:a100:1").encode()), [], {})
+    table = (Candidate("a100", 1, True, 95.4 * 1024, 600.0, 0.0, 0.1), Candidate("v100", 1, True, 20 * 1024, 900.0,
+                                                                                 0.0, 0.1))
+    text = gsbatch.explain_text(request, Decision(per_type=table, decider="model"), {"a100": 80, "v100": 32})
+    rows = [line.split()[2:5] for line in text.splitlines() if re.match(r"gsbatch: explain: +(a100|v100) ", line)]
+    assert rows == [["a100", "1", "runs"], ["v100", "1", "yes"]]
+    assert "the predicted peak is above it" in text

@@ -135,8 +135,17 @@ def _fault(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def explain_text(request: JobRequest, decision: Decision) -> str:
+def explain_text(request: JobRequest, decision: Decision, memory_gib: Mapping[str, float] | None = None) -> str:
+    """The decision in lines; in the table a fit that rests on the family's past runs rather than
+    the prediction (its peak is above the card: ``memory_gib``) reads ``runs``, not ``yes``."""
+    from slurmgpu.pipeline.policy import by_prediction
     from slurmgpu.pipeline.rewrite import describe
+
+    def fits(c: Any) -> str:
+        if not c.fits:
+            return "no"
+        card = (memory_gib or {}).get(c.gpu_type)
+        return "runs" if card is not None and not by_prediction(c.pred_peak_mem_mib, c.margin, card) else "yes"
 
     lines = [f"decider: {decision.decider}"]
     for comp in request.components:
@@ -150,9 +159,12 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
     lines.extend(f"reason: {r}" for r in decision.reasons)
     if decision.per_type:
         lines.append(f"{'type':>6} {'gpus':>4} {'fits':>4} {'peak GiB':>8} {'margin':>6} {'runtime':>9} {'wait':>7}")
-        lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {'yes' if c.fits else 'no':>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
+        lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {fits(c):>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
                      f"{c.margin:>6.0%} {c.pred_runtime_s / 60:>7.0f} m {c.expected_wait_s / 60:>5.0f} m"
                      for c in decision.per_type)
+        if any(fits(c) == "runs" for c in decision.per_type):
+            lines.append("fits 'runs': the family's runs held on that card at this batch or larger; the predicted "
+                         "peak is above it")
     if not decision.changed and not decision.refusal:
         lines.append("result: request kept as written")
     return "\n".join("gsbatch: explain: " + one_line(line) for line in lines)
@@ -443,7 +455,9 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
         decider = site_decider(config, backend, env, deadline)
     p = plan(inv, env, decider, stdin_data=stdin_data, config=config)
     if "--explain" in inv.flags and p.request is not None:
-        text = explain_text(p.request, p.decision)
+        config_of = getattr(decider, "config", None) or config
+        memory = {n: t.memory_gib for n, t in config_of.gpu_types.items()} if config_of is not None else None
+        text = explain_text(p.request, p.decision, memory)
         try:
             print(text, file=sys.stderr)
         except (OSError, ValueError, AttributeError):

@@ -575,15 +575,16 @@ class ModelDecider:
                         lo, found = mid, (mid, p)
                     else:
                         hi = mid - 1
+                margin = self._memory_margin(f"{baseline.gpus}x{gt.name}" in seen)
                 hints.append(f"batch size {found[0]} would fit {baseline.gpus} x {gt.name} "
-                             f"(predicted peak {found[1] / 1024:.1f} GiB of {gt.memory_gib:g} GiB)")
+                             f"({fit_evidence(found[1], margin, gt.memory_gib)})")
         mem = self.config.gpu_types
         larger = [c for c in table if c.fits and c.gpus == baseline.gpus and mem[c.gpu_type].memory_gib > gt.memory_gib]
         holds = []
         if larger:
             c = min(larger, key=lambda c: (mem[c.gpu_type].memory_gib, c.pred_peak_mem_mib))
-            holds.append(f"{c.gpus} x {c.gpu_type} ({mem[c.gpu_type].memory_gib:g} GiB, predicted peak "
-                         f"{c.pred_peak_mem_mib / 1024:.1f} GiB)")
+            holds.append(f"{c.gpus} x {c.gpu_type} ({mem[c.gpu_type].memory_gib:g} GiB, "
+                         f"{fit_evidence(c.pred_peak_mem_mib, c.margin, mem[c.gpu_type].memory_gib, False)})")
         if float(sf.get("zero", 0.0)) > 0 and request.main.nodes == 1:
             most = max((p.gpus_per_node for p in offered if gt.name in p.gpu_types), default=0)
             for k in range(baseline.gpus + 1, most + 1):
@@ -715,6 +716,22 @@ def speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, fl
         return 0.0, 1.0
     measured = (sxy * szz - szy * sxz) / (sxx * szz - sxz * sxz) if szz > 1e-12 else sxy / sxx
     return spread, min(max(measured, 0.0), 1.0)
+
+
+def by_prediction(peak_mib: float, margin: float, card_gib: float) -> bool:
+    """Whether a fit rests on the prediction (the peak with its margin within the card); a fit
+    that does not rests on the family's past runs on such cards (ModelDecider._fits)."""
+    return peak_mib * (1 + margin) <= card_gib * 1024
+
+
+def fit_evidence(peak_mib: float, margin: float, card_gib: float, of_card: bool = True) -> str:
+    """What a fit claim rests on, in words: the predicted peak (``of 32 GiB`` when OF_CARD), or,
+    where that peak is above the card, the family's past runs, with the prediction said as such."""
+    peak = f"predicted peak {peak_mib / 1024:.1f} GiB"
+    if by_prediction(peak_mib, margin, card_gib):
+        return f"{peak} of {card_gib:g} GiB" if of_card else peak
+    return (f"by its family's runs, which held on {card_gib:g} GiB cards at this batch or larger; the {peak} "
+            f"is above the card")
 
 
 BORDERLINE = 0.15  # a fitting peak (with margin) this close to the card is worth a word
