@@ -68,7 +68,8 @@ def test_without_a_size_it_is_one_error_line(tmp_path: Path, capsys: pytest.Capt
     code = gsbatch.main(["--gpu-mem", "--hold", str(p)], env=_env(), backend=_NoSubmit(),
                         decider=RuleDecider(CONFIG))
     err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and err.startswith("gsbatch: error: --gpu-mem: needs a size")
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("gsbatch: error: command line: --gpu-mem: needs a size")
 
 
 # (partition, size in GiB) -> the type chosen (balanced: the smallest card that holds it) and the
@@ -148,10 +149,10 @@ def test_a_bad_size_in_the_script_names_file_and_line() -> None:
 
 def test_no_type_anywhere_is_a_refusal_naming_the_option() -> None:
     p = plan_of(job("#SBATCH --gres=gpu:1"), gpu_mem="100G")
-    assert p.decision.refusal == ("--gpu-mem 100 GiB: no configured GPU type has that much memory per GPU "
-                                  "(largest: a100, 80 GiB)")
+    assert p.decision.refusal == ("command line: --gpu-mem 100 GiB: no configured GPU type has that much memory "
+                                  "per GPU (largest: a100, 80 GiB)")
     pinned = plan_of(job("#SBATCH --gres=gpu:1 --constraint=t4"), gpu_mem="24G")
-    assert pinned.decision.refusal == "--gpu-mem 24 GiB: --constraint pins t4 (16 GiB)"
+    assert pinned.decision.refusal == "command line: --gpu-mem 24 GiB: --constraint pins t4 (16 GiB)"
 
 
 def test_a_partition_that_does_not_admit_the_job_is_not_used() -> None:
@@ -164,18 +165,21 @@ def test_a_partition_that_does_not_admit_the_job_is_not_used() -> None:
         in p.decision.refusal
 
 
-def test_opt_outs_and_keep_deciders_say_it_was_not_applied() -> None:
+def test_opt_outs_refuse_and_keep_deciders_apply_it_by_the_config() -> None:
+    """Issue 28 item 2: the user's own ask is never dropped (it once went with a note, GPU-less)."""
     text = job("#SBATCH --gres=gpu:1")
     for p in (plan_of(text, gpu_mem="24G", no_rewrite=True),
               plan_of(job("#GSBATCH --no-rewrite", "#SBATCH --gres=gpu:1"), gpu_mem="24G"),
               plan_of(text, gpu_mem="24G", decider=KeepDecider("policy.decider = keep"))):
-        assert not p.decision.changed and not p.decision.refusal
-        assert any(n.startswith("--gpu-mem 24 GiB not applied: ") for n in p.to_json()["notes"])
+        assert not p.decision.changed and p.decision.refusal and "cannot be" in p.decision.refusal
+    kept = plan_of(text, gpu_mem="24G", decider=KeepDecider("policy.decider = keep"), config=CONFIG)
+    assert kept.decision.changes[0].gpu_type == "v100" and kept.decision.asked == "--gpu-mem 24 GiB"
 
 
 def test_a_request_that_cannot_be_rewritten_is_refused() -> None:
     p = plan_of(job("#SBATCH --gres=gpu:1 --gpus=2"), gpu_mem="24G")
-    assert p.decision.refusal and p.decision.refusal.startswith("--gpu-mem 24 GiB: the GPU request cannot be rewritten")
+    assert p.decision.refusal
+    assert p.decision.refusal.startswith("command line: --gpu-mem 24 GiB: the GPU request cannot be rewritten")
 
 
 def test_decision_is_explained_and_shown_by_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,7 +205,7 @@ def test_sbatch_gets_the_rewrite_and_never_the_option(tmp_path: Path, capsys: py
     refused = gsbatch.main(["--gpu-mem=100G", str(p)], env=_env(), backend=backend, decider=RuleDecider(CONFIG))
     err = capsys.readouterr().err.splitlines()
     assert refused == 1 and len(backend.calls) == 1
-    assert err[-1] == (f"gsbatch: error: {p}: --gpu-mem 100 GiB: no configured GPU type has that much memory "
+    assert err[-1] == ("gsbatch: error: command line: --gpu-mem 100 GiB: no configured GPU type has that much memory "
                        "per GPU (largest: a100, 80 GiB)")
 
 
@@ -249,7 +253,7 @@ def test_a_rewrite_that_cannot_be_written_refuses_rather_than_ignore_the_memory(
     p.write_text(job("#SBATCH --gres=gpu:1 -p gpu-small"))
     assert gsbatch.main(["--gpu-mem=20G", str(p)], env=_env(), backend=backend, decider=RuleDecider(CONFIG)) == 1
     assert not backend.calls
-    assert capsys.readouterr().err == (f"gsbatch: error: {p}: --gpu-mem 20 GiB: the GPU request cannot be "
+    assert capsys.readouterr().err == ("gsbatch: error: command line: --gpu-mem 20 GiB: the GPU request cannot be "
                                        "rewritten (no way to write it)\n")
 
 

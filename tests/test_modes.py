@@ -235,9 +235,9 @@ def test_gsbatch_in_advise_mode_submits_the_script_as_written(tmp_path: Path, jo
     assert record["changed"] is False
     assert record["decision"]["advised"] is True and record["decision"]["mode"] == ADVISE
     assert record["decision"]["changes"][0]["partition"] == "gpu"
-    assert err.splitlines() == ["gsbatch: advice: 2 x a100 in partition gpu instead of 2 x a100 in partition "
-                                "gpu-small (GPU type a100 is not in partition gpu-small; moved to gpu, which has "
-                                "it); submitted as written"]
+    assert err.splitlines() == ["gsbatch: advice: as written the job cannot run: GPU type a100 is not in partition "
+                                "gpu-small; moved to gpu, which has it (2 x a100 in partition gpu instead of 2 x "
+                                "a100 in partition gpu-small); submitted as written"]
 
 
 def test_gsbatch_rewrites_for_a_user_the_config_puts_in_rewrite_mode(tmp_path: Path, job: Path,

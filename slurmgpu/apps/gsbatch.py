@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
-from slurmgpu.pipeline.errors import ConfigError, InputError, one_line
+from slurmgpu.pipeline.errors import SBATCH_USAGE, ConfigError, InputError, one_line
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
 
@@ -52,6 +52,7 @@ class Invocation(NamedTuple):
     wrap: bool = False
     pass_through: bool = False
     gpu_mem: str | None = None  # --gpu-mem=SIZE as typed ("" when given without a size)
+    unknown: tuple[str, ...] = ()  # options neither sbatch nor gsbatch knows, as typed: sbatch refuses them
 
     def sbatch_words(self, options: Sequence[str] | None = None, script: str | None = None) -> list[str]:
         words = list(self.options if options is None else options)
@@ -78,6 +79,7 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
         return Invocation(options=tuple(words), pass_through=True)  # let sbatch word the error itself
     flags, config, own = set(), None, set()
     gpu_mem: str | None = None
+    unknown: list[str] = []
     for o in opts:
         if not o.known and o.name in OWN_FLAGS:
             flags.add(o.name)
@@ -88,17 +90,31 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
         elif not o.known and o.name == "--gpu-mem":  # gsbatch's own: never handed to sbatch
             gpu_mem = o.value or ""
             own.add(o.first)
+        elif not o.known:
+            unknown.append(o.name)
     options = tuple(w for j, w in enumerate(words[:operand]) if j not in own)
     names = {o.name for o in opts}
     wrap = "wrap" in names
     base = Invocation(frozenset(flags), config, options, wrap=wrap, pass_through=bool(names & PASS_THROUGH),
-                      gpu_mem=gpu_mem)
+                      gpu_mem=gpu_mem, unknown=tuple(unknown))
     tail = tuple(words[operand:])
     if tail[:1] == (":",):  # a command-line hetjob: passed on untouched
         return base._replace(options=options + tail, pass_through=True)
     if tail and not wrap:
         return base._replace(script=tail[0], script_args=tail[1:])
     return base._replace(script_args=tail)
+
+
+def unrecognized(name: str) -> str:
+    """sbatch's refusal of an option it does not know, with the name most likely meant."""
+    from slurmgpu.pipeline.sbatch_options import active_long_names
+    from slurmgpu.pipeline.script import closest
+
+    long = name.startswith("--")
+    near = closest(name, [*OWN_FLAGS, "--gpu-mem", "--gs-config", *("--" + n for n in active_long_names())]) \
+        if long else None
+    what = f"unrecognized option '{name}'" if long else f"invalid option -- '{name[1:]}'"
+    return f"command line: {what}" + (f" (did you mean {near}?)" if near else "")
 
 
 def _note(stream: TextIO | None, kind: str, text: str) -> None:
@@ -119,8 +135,17 @@ def _fault(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def explain_text(request: JobRequest, decision: Decision) -> str:
+def explain_text(request: JobRequest, decision: Decision, memory_gib: Mapping[str, float] | None = None) -> str:
+    """The decision in lines; in the table a fit that rests on the family's past runs rather than
+    the prediction (its peak is above the card: ``memory_gib``) reads ``runs``, not ``yes``."""
+    from slurmgpu.pipeline.policy import by_prediction
     from slurmgpu.pipeline.rewrite import describe
+
+    def fits(c: Any) -> str:
+        if not c.fits:
+            return "no"
+        card = (memory_gib or {}).get(c.gpu_type)
+        return "runs" if card is not None and not by_prediction(c.pred_peak_mem_mib, c.margin, card) else "yes"
 
     lines = [f"decider: {decision.decider}"]
     for comp in request.components:
@@ -134,9 +159,12 @@ def explain_text(request: JobRequest, decision: Decision) -> str:
     lines.extend(f"reason: {r}" for r in decision.reasons)
     if decision.per_type:
         lines.append(f"{'type':>6} {'gpus':>4} {'fits':>4} {'peak GiB':>8} {'margin':>6} {'runtime':>9} {'wait':>7}")
-        lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {'yes' if c.fits else 'no':>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
+        lines.extend(f"{c.gpu_type:>6} {c.gpus:>4} {fits(c):>4} {c.pred_peak_mem_mib / 1024:>8.1f} "
                      f"{c.margin:>6.0%} {c.pred_runtime_s / 60:>7.0f} m {c.expected_wait_s / 60:>5.0f} m"
                      for c in decision.per_type)
+        if any(fits(c) == "runs" for c in decision.per_type):
+            lines.append("fits 'runs': the family's runs held on that card at this batch or larger; the predicted "
+                         "peak is above it")
     if not decision.changed and not decision.refusal:
         lines.append("result: request kept as written")
     return "\n".join("gsbatch: explain: " + one_line(line) for line in lines)
@@ -149,9 +177,10 @@ def read_stdin(stream: TextIO | None = None) -> bytes:
 
 
 def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None,
-         stdin_data: bytes | None = None) -> Plan:
+         stdin_data: bytes | None = None, config: Config | None = None) -> Plan:
     """Parse, decide and rewrite in this process; raises InputError for bad user input.
-    A script on stdin is ``stdin_data`` when the caller already read it, else read here."""
+    A script on stdin is ``stdin_data`` when the caller already read it, else read here.
+    ``config``: the site's, by which a --gpu-mem is met whatever the decider."""
     from slurmgpu.pipeline.plan import make_plan, unread_plan
     from slurmgpu.pipeline.script import Unread, decode, parse_script, read_script
 
@@ -170,7 +199,7 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
             return unread_plan(str(exc), decode(exc.data), inv.options)._replace(stdin=stdin_data)
     features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
     made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags,
-                     gpu_mem=inv.gpu_mem)
+                     gpu_mem=inv.gpu_mem, config=config)
     return made._replace(stdin=stdin_data)
 
 
@@ -207,8 +236,8 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
         from slurmgpu.pipeline.validate import check_plan
 
         decision = reply["plan"].get("decision")
-        if isinstance(decision, dict) and decision.get("refused") is not None:
-            return None
+        if isinstance(decision, dict) and (decision.get("refused") is not None or decision.get("asked")):
+            return None  # the user's own ask (a '#GSBATCH --gpu-mem' line) is met here, whatever the mode
 
         problem = check_plan(reply["plan"], config, text, inv.options, env=env)
         if problem is None:
@@ -216,7 +245,8 @@ def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
         from slurmgpu.pipeline.policy import KeepDecider
 
         _note(sys.stderr, "warning", f"slurmgpu serve's answer not applied ({problem}); request kept as written")
-        kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"))
+        kept = plan(inv, env, KeepDecider(f"the daemon's answer was not applied ({problem}); request kept"),
+                    config=config)
         return dict(kept.to_json(), stdin=kept.stdin, script_data=data)
     return None
 
@@ -228,6 +258,7 @@ class Outcome(NamedTuple):
     refused: str | None
     reasons: list[str]
     notes: list[str]
+    warnings: list[str]
     changed: bool
     script_text: str | None
     cli_words: list[str]
@@ -257,6 +288,7 @@ def checked(inv: Invocation, p: Any) -> Outcome:
         raise TypeError("plan field submission.env_overrides is not a mapping of strings")
     out = Outcome(_want(decision.get("refused"), (str, type(None)), "decision.refused"),
                   _strings(decision.get("reasons", []), "decision.reasons"), _strings(p.get("notes", []), "notes"),
+                  _strings(p.get("warnings", []), "warnings"),
                   _want(sub.get("changed"), bool, "submission.changed"),
                   _want(sub.get("script_text"), (str, type(None)), "submission.script_text"),
                   _strings(sub.get("cli_words"), "submission.cli_words"), dict(overrides),
@@ -421,9 +453,11 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
         from slurmgpu.apps.site import site_decider
 
         decider = site_decider(config, backend, env, deadline)
-    p = plan(inv, env, decider, stdin_data=stdin_data)
+    p = plan(inv, env, decider, stdin_data=stdin_data, config=config)
     if "--explain" in inv.flags and p.request is not None:
-        text = explain_text(p.request, p.decision)
+        config_of = getattr(decider, "config", None) or config
+        memory = {n: t.memory_gib for n, t in config_of.gpu_types.items()} if config_of is not None else None
+        text = explain_text(p.request, p.decision, memory)
         try:
             print(text, file=sys.stderr)
         except (OSError, ValueError, AttributeError):
@@ -437,17 +471,17 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     return made
 
 
-def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None]:
+def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None, str | None]:
     """The site config; one that cannot be used (missing, unreadable, not UTF-8, invalid) gives
-    one warning and the keep decider, so the job goes as written (bad input is still refused)."""
+    the keep decider, so the job goes as written (bad input, and a --gpu-mem that cannot be met
+    without the config, are still refused), and the warning to print when it does go."""
     try:
-        return load_site(inv.config, env), None
+        return load_site(inv.config, env), None, None
     except Exception as exc:  # noqa: BLE001 - ConfigError, or any fault reading it
         from slurmgpu.pipeline.policy import KeepDecider
 
-        why = str(exc) if isinstance(exc, ConfigError) else _fault(exc)
-        _note(sys.stderr, "warning", f"slurmgpu config unusable ({why}); submitting as written")
-        return None, KeepDecider("config unusable")
+        why = f"slurmgpu config unusable ({str(exc) if isinstance(exc, ConfigError) else _fault(exc)})"
+        return None, KeepDecider(why), f"{why}; submitting as written"
 
 
 def _show(inv: Invocation, out: Outcome) -> int:
@@ -497,7 +531,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         except Exception as exc:  # noqa: BLE001 - sbatch reads whatever is left of stdin itself
             return as_written(inv, backend, env, None, f"stdin not readable ({_fault(exc)})")
     dry = bool({"--dry-run", "--diff"} & inv.flags)
-    config, fallback = _load(inv, env)
+    if dry and inv.unknown:  # sbatch would refuse it (a real submission hears it from sbatch itself)
+        _note(sys.stderr, "error", unrecognized(inv.unknown[0]))
+        return SBATCH_USAGE
+    config, fallback, unusable = _load(inv, env)
     try:
         p = _decide(inv, env, config, backend, fallback or decider, stdin_data)
         p = resolve_mode(inv, config, p)
@@ -506,15 +543,30 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if isinstance(exc, InputError) and not isinstance(exc, ConfigError):
             _note(sys.stderr, "error", str(exc))  # the user's input: refused, as sbatch would
             return exc.exit_code
+        if unusable:
+            _note(sys.stderr, "warning", unusable)
         if dry:
             _note(sys.stderr, "error", f"slurmgpu failed: {_fault(exc)}")
             return 1
         return as_written(inv, backend, env, stdin_data, f"slurmgpu failed ({_fault(exc)})")
+    if unusable and not out.refused:
+        _note(sys.stderr, "warning", unusable)
+    if config is not None and not out.refused:
+        from slurmgpu.pipeline.plan import oom_warning
+
+        if (oom := oom_warning(p, {n: t.memory_gib for n, t in config.gpu_types.items()})) is not None:
+            _note(sys.stderr, "warning", oom)
+    for text in out.warnings:
+        _note(sys.stderr, "warning", text)
     for text in out.notes:
         _note(sys.stderr, "note", text)
     _mode_notes(p)
     if out.refused:
-        _note(sys.stderr, "error", f"{inv.script or 'job'}: {out.refused}")
+        from slurmgpu.pipeline.request import COMMAND_LINE
+
+        name = inv.script or "<stdin>"  # a refusal that names where its cause was set is not led by the script
+        located = out.refused.startswith((f"{COMMAND_LINE}: ", f"{name}:")) and not inv.wrap
+        _note(sys.stderr, "error", out.refused if located else f"{inv.script or 'job'}: {out.refused}")
         return 1
     if dry:
         _change_notes(inv, out)

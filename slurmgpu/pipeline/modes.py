@@ -135,8 +135,11 @@ def advised(decision: Mapping[str, Any], resolution: Resolution) -> dict[str, An
 def apply_resolution(plan: Mapping[str, Any], resolution: Resolution, options: Sequence[str]) -> dict[str, Any]:
     """The plan (``Plan.to_json`` form) as the resolution wants it submitted: a waiver or advise
     mode puts the submission back as written (``options``: sbatch's words as the user gave them)
-    and says so in the decision and the record; rewrite mode leaves it as it is."""
+    and says so in the decision and the record; rewrite mode leaves it as it is. A decision that
+    carries out the user's own ask (``asked``: ``--gpu-mem``) is submitted in every mode."""
     decision = plan["decision"]
+    if decision.get("asked"):
+        return dict(plan)
     if decision.get("refused") is not None or not decision.get("changes"):
         if resolution.mode == ADVISE:
             return _with(plan, advised(decision, resolution), plan["submission"])
@@ -185,6 +188,14 @@ def advice_line(original: Mapping[str, Any] | None, decision: Mapping[str, Any])
     shape = f"{d_gpus if d_gpus is not None else '?'} x {d_type or 'any GPU'}"
     where = f" in partition {change['partition']}" if change.get("partition") else ""
     asked = f"{o_gpus if o_gpus is not None else '?'} x {o_type or 'any GPU'}"
+    reasons = [str(r) for r in decision.get("reasons") or []]
+    was = f" in partition {original['partition']}" if where and original.get("partition") else ""
+    if decision.get("unrunnable"):  # no finish time to compare with: the job as written never starts
+        lead = str(decision["unrunnable"])
+        said = reasons if any(r.startswith(lead) for r in reasons) else [lead, *reasons]
+        return (f"as written the job cannot run: {'; '.join(said)} ({shape}{where} instead of {asked}{was}); "
+                "submitted as written")
+    rules = "".join(f"; {r}" for r in reasons[:-1])  # the rules' reasons: the model's own comes last
     per_type = [c for c in decision.get("per_type") or [] if isinstance(c, dict)]
     mine = [c for c in per_type if c.get("gpus") == o_gpus and (o_type is None or c.get("gpu_type") == o_type)]
     theirs = [c for c in per_type if c.get("gpus") == d_gpus and c.get("gpu_type") == d_type]
@@ -194,9 +205,7 @@ def advice_line(original: Mapping[str, Any] | None, decision: Mapping[str, Any])
         t_base = float(base["expected_wait_s"]) + float(base["pred_runtime_s"])
         t_new = float(new["expected_wait_s"]) + float(new["pred_runtime_s"])
     except (ValueError, KeyError, TypeError, IndexError):
-        reasons = [str(r) for r in decision.get("reasons") or []]
         why = f" ({reasons[-1]})" if reasons else ""
-        was = f" in partition {original['partition']}" if where and original.get("partition") else ""
         return f"{shape}{where} instead of {asked}{was}{why}; submitted as written"
     if t_base > 0 and t_new < t_base:
         gain = f" ({(t_base - t_new) / t_base:.0%} sooner)"
@@ -204,5 +213,5 @@ def advice_line(original: Mapping[str, Any] | None, decision: Mapping[str, Any])
         gain = " (later, on cheaper or fewer GPUs)"
     else:
         gain = ""
-    return (f"{shape}{where} would finish in {_minutes(t_new)} vs {_minutes(t_base)} as asked{gain}; "
+    return (f"{shape}{where} would finish in {_minutes(t_new)} vs {_minutes(t_base)} as asked{gain}{rules}; "
             "submitted as written")

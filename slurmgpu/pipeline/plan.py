@@ -8,13 +8,16 @@ the same JSON form (``Plan.to_json``), so what is submitted cannot depend on whe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
-from slurmgpu.pipeline.request import JobRequest, build_request
+from slurmgpu.pipeline.request import COMMAND_LINE, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
-from slurmgpu.pipeline.script import GPU_MEM, BatchScript, parse_gpu_mem
+from slurmgpu.pipeline.script import UNKNOWN_GS, BatchScript, parse_gpu_mem
+
+if TYPE_CHECKING:
+    from slurmgpu.pipeline.config import Config
 
 
 class Plan(NamedTuple):
@@ -33,13 +36,15 @@ class Plan(NamedTuple):
         return {"decision": self.decision.to_json(),
                 "submission": {"script_text": sub.script_text, "cli_words": list(sub.cli_words),
                                "env_overrides": dict(sub.env_overrides), "changed": sub.changed},
-                "record": record_fields(self), "notes": notes(self), "tag": self.tag}
+                "record": record_fields(self), "notes": notes(self), "warnings": warnings(self), "tag": self.tag}
 
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
-              gpu_features: Set[str], no_rewrite: bool = False, gpu_mem: str | None = None) -> Plan:
+              gpu_features: Set[str], no_rewrite: bool = False, gpu_mem: str | None = None,
+              config: Config | None = None) -> Plan:
     """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input.
-    ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's."""
+    ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's;
+    ``config``: the site's, which a ``--gpu-mem`` is met by when the decider has none of its own."""
     request = build_request(script, options, env, gpu_features)
     ask = gpu_mem_ask(script, gpu_mem)
     # Over the budget the decider reads the request alone, as for a job without a script.
@@ -47,10 +52,12 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
     if no_rewrite or (script is not None and script.keep_marker):
         why = "--no-rewrite given; request kept" if no_rewrite or script is None else script.keep_reason
         decision = KeepDecider(why).decide(request)
-        if ask is not None:
-            decision = decision._replace(reasons=(*decision.reasons, f"{ask.label} not applied: {why}"))
+        if ask is not None:  # two asks of the user's that cannot both be met: neither is dropped silently
+            opt_out = "--no-rewrite" if no_rewrite or script is None else f"'{script.keep_spelled}'"
+            decision = Decision(refusal=ask.refusal(f"cannot be applied: {opt_out} keeps the request as "
+                                                    "written; drop one of them"), decider=decision.decider)
     elif ask is not None:
-        decision = decide_gpu_mem(decider, read, ask)
+        decision = decide_gpu_mem(decider, read, ask, config)
     else:
         decision = decider.decide(read)
     try:
@@ -59,7 +66,7 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
         if ask is None:
             raise  # the model's or the rules' own change: the job goes as written, with a warning
         # the user asked for this memory: submitted without it, the job could land on a smaller card
-        decision = Decision(refusal=f"{ask.label}: the GPU request cannot be rewritten ({exc})",
+        decision = Decision(refusal=ask.refusal(f"the GPU request cannot be rewritten ({exc})"),
                             decider=decision.decider)
         submission = apply(request, decision)
     return Plan(request, decision, submission, tag=_tag(request, decision, script, options))
@@ -88,7 +95,10 @@ def gpu_mem_ask(script: BatchScript | None, cli: str | None) -> GpuMemAsk | None
     """``--gpu-mem`` as asked: the command line's, else the script's ``#GSBATCH`` line's; a size
     that cannot be read is an InputError naming the option (and the line, in the script)."""
     if cli is not None:
-        return GpuMemAsk(parse_gpu_mem(cli), cli, "command line")
+        try:
+            return GpuMemAsk(parse_gpu_mem(cli), cli, COMMAND_LINE)
+        except InputError as exc:
+            raise exc.located(file=COMMAND_LINE) from None
     if script is None or script.gpu_mem is None:
         return None
     value, line = script.gpu_mem
@@ -129,9 +139,37 @@ def notes(plan: Plan) -> list[str]:
     script = plan.request.script if plan.request else None
     said = [LEGACY_KEEP_NOTE] if script is not None and script.legacy_keep else []
     said += [plan.unread] if plan.unread else []
-    said += [budget_note(script)] if script is not None and over_budget(script) else []
-    # --gpu-mem asked but not applied (an opt-out, or a decider that changes nothing): said, not silent
-    return said + [r for r in plan.decision.reasons if r.startswith(GPU_MEM + " ") and " not applied: " in r]
+    return said + ([budget_note(script)] if script is not None and over_budget(script) else [])
+
+
+def warnings(plan: Plan) -> list[str]:
+    """What the user must hear though the job goes: a #GSBATCH option gsbatch does not know (a typo
+    of --gpu-mem would otherwise leave the job without the memory asked, unsaid)."""
+    script = plan.request.script if plan.request else None
+    if script is None:
+        return []
+    return [f"{script.path}:{d.line}: {d.reason}; the line is ignored"
+            for d in script.ignored if d.reason.startswith(UNKNOWN_GS)]
+
+
+def oom_warning(plan: Mapping[str, Any], memory_gib: Mapping[str, float]) -> str | None:
+    """One line when the prediction says the job will not fit the GPUs it goes to: the shape as
+    submitted (the decided one when the submission is changed, else as written: kept, advised or
+    waived) is a row of the decision's table that does not fit. ``plan``: ``Plan.to_json`` form,
+    after the mode and waivers; ``memory_gib``: the config's memory per GPU type."""
+    decision, record = plan.get("decision") or {}, plan.get("record") or {}
+    original = record.get("original_request") or {}
+    shape = (original.get("gpu_type"), original.get("gpus_total"))
+    if (plan.get("submission") or {}).get("changed"):
+        change: Mapping[str, Any] = next((c for c in decision.get("changes") or [] if c.get("index", 0) == 0), {})
+        shape = (change.get("gpu_type") or shape[0], change.get("gpus_total") or shape[1])
+    row = next((c for c in decision.get("per_type") or [] if (c.get("gpu_type"), c.get("gpus")) == shape), None)
+    gpu_type = shape[0]
+    if row is None or row.get("fits") or not isinstance(gpu_type, str) or gpu_type not in memory_gib:
+        return None
+    peak, margin = float(row["pred_peak_mem_mib"]) / 1024, float(row.get("margin", 0.0))
+    return (f"predicted to run out of GPU memory: peak {peak:.1f} GiB per GPU ({peak * (1 + margin):.1f} GiB with "
+            f"the {margin:.0%} margin) does not fit {shape[1]} x {gpu_type} ({memory_gib[gpu_type]:g} GiB each)")
 
 
 def record_fields(plan: Plan) -> dict[str, Any]:

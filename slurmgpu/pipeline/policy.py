@@ -54,13 +54,19 @@ class Decision(NamedTuple):
     refusal: str | None = None
     decider: str = "keep"
     per_type: tuple[Candidate, ...] = ()
+    # The user's own ask this decision carries out (``--gpu-mem 24 GiB``): advise mode and waivers
+    # govern slurmgpu's own changes, never what the user asked for.
+    asked: str | None = None
+    # Why the request as written can never run (a GPU type its partition does not have): advice must
+    # not compare the decision with a job that would never start.
+    unrunnable: str | None = None
 
     @property
     def changed(self) -> bool:
         return bool(self.changes)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "decider": self.decider,
             "changed": self.changed,
             "refused": self.refusal,
@@ -68,6 +74,8 @@ class Decision(NamedTuple):
             "reasons": list(self.reasons),
             "per_type": [c._asdict() for c in self.per_type],
         }
+        extra = {k: v for k, v in (("asked", self.asked), ("unrunnable", self.unrunnable)) if v}
+        return {**out, **extra}
 
 
 KEEP = Decision()
@@ -119,6 +127,7 @@ class RuleDecider:
     def decide(self, request: JobRequest) -> Decision:
         changes: list[ComponentChange] = []
         reasons: list[str] = []
+        unrunnable: list[str] = []
         for comp in request.components:
             if not comp.gpus_total:  # no GPU option, or only zero counts (Slurm skips those)
                 continue
@@ -128,9 +137,24 @@ class RuleDecider:
             reasons.extend(why)
             if change:
                 changes.append(change)
+            if (gone := self._missing_type(comp, request.is_hetjob)) is not None:
+                unrunnable.append(gone)
         if not reasons:
             reasons.append(FITS_AS_ASKED)
-        return Decision(tuple(changes), tuple(reasons), decider=self.name)
+        return Decision(tuple(changes), tuple(reasons), decider=self.name, unrunnable="; ".join(unrunnable) or None)
+
+    def _missing_type(self, comp: ComponentRequest, het: bool) -> str | None:
+        """Why Slurm can never start the component as written: its GPU type is in none of the
+        partitions it names, all of them described by the config (else Slurm may know better)."""
+        cfg = self.config
+        asked = comp.partitions or ([cfg.default_partition] if cfg.default_partition else [])
+        gtype = cfg.type_for_feature(comp.gpu_type) if comp.gpu_type and not any(g.type for g in comp.gpus) \
+            else comp.gpu_type
+        if not asked or not gtype or any(p not in cfg.partitions for p in asked) \
+                or any(gtype in cfg.partitions[p].gpu_types for p in asked):
+            return None
+        label = f"component {comp.index}: " if het else ""
+        return f"{label}GPU type {gtype} is not in partition {','.join(asked)}"
 
     def _component(self, comp: ComponentRequest, het: bool) -> tuple[ComponentChange | None, list[str], str | None]:
         label = f"component {comp.index}: " if het else ""
@@ -360,7 +384,8 @@ class ModelDecider:
                    f"{self._fit_words(best, sf, req_total)}{_borderline(best, self.config.gpu_types[best.gpu_type])}")
         if busy and best.gpus < req_total:
             why += f"; this family's {busy[1]} runs on {req_total} GPUs kept at most {busy[0]} busy"
-        return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type)
+        return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type,
+                        unrunnable=rule.unrunnable)
 
     @staticmethod
     def _rule_reasons(rule: Decision) -> tuple[str, ...]:
@@ -550,15 +575,16 @@ class ModelDecider:
                         lo, found = mid, (mid, p)
                     else:
                         hi = mid - 1
+                margin = self._memory_margin(f"{baseline.gpus}x{gt.name}" in seen)
                 hints.append(f"batch size {found[0]} would fit {baseline.gpus} x {gt.name} "
-                             f"(predicted peak {found[1] / 1024:.1f} GiB of {gt.memory_gib:g} GiB)")
+                             f"({fit_evidence(found[1], margin, gt.memory_gib)})")
         mem = self.config.gpu_types
         larger = [c for c in table if c.fits and c.gpus == baseline.gpus and mem[c.gpu_type].memory_gib > gt.memory_gib]
         holds = []
         if larger:
             c = min(larger, key=lambda c: (mem[c.gpu_type].memory_gib, c.pred_peak_mem_mib))
-            holds.append(f"{c.gpus} x {c.gpu_type} ({mem[c.gpu_type].memory_gib:g} GiB, predicted peak "
-                         f"{c.pred_peak_mem_mib / 1024:.1f} GiB)")
+            holds.append(f"{c.gpus} x {c.gpu_type} ({mem[c.gpu_type].memory_gib:g} GiB, "
+                         f"{fit_evidence(c.pred_peak_mem_mib, c.margin, mem[c.gpu_type].memory_gib, False)})")
         if float(sf.get("zero", 0.0)) > 0 and request.main.nodes == 1:
             most = max((p.gpus_per_node for p in offered if gt.name in p.gpu_types), default=0)
             for k in range(baseline.gpus + 1, most + 1):
@@ -692,6 +718,22 @@ def speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, fl
     return spread, min(max(measured, 0.0), 1.0)
 
 
+def by_prediction(peak_mib: float, margin: float, card_gib: float) -> bool:
+    """Whether a fit rests on the prediction (the peak with its margin within the card); a fit
+    that does not rests on the family's past runs on such cards (ModelDecider._fits)."""
+    return peak_mib * (1 + margin) <= card_gib * 1024
+
+
+def fit_evidence(peak_mib: float, margin: float, card_gib: float, of_card: bool = True) -> str:
+    """What a fit claim rests on, in words: the predicted peak (``of 32 GiB`` when OF_CARD), or,
+    where that peak is above the card, the family's past runs, with the prediction said as such."""
+    peak = f"predicted peak {peak_mib / 1024:.1f} GiB"
+    if by_prediction(peak_mib, margin, card_gib):
+        return f"{peak} of {card_gib:g} GiB" if of_card else peak
+    return (f"by its family's runs, which held on {card_gib:g} GiB cards at this batch or larger; the {peak} "
+            f"is above the card")
+
+
 BORDERLINE = 0.15  # a fitting peak (with margin) this close to the card is worth a word
 
 
@@ -723,29 +765,44 @@ class GpuMemAsk(NamedTuple):
         plain = self.spelled.strip().upper().removesuffix("B").removesuffix("I") == f"{self.shown}G"
         return f"--gpu-mem {self.shown} GiB" + ("" if plain else f" ({self.spelled.strip()})")
 
+    def refusal(self, why: str) -> str:
+        """Why the ask cannot be met, led by where it was made (``command line: --gpu-mem ...``)."""
+        return f"{self.where}: {self.label}: {why}"
+
 
 def _gib(value: float) -> str:
     return f"{value:g} GiB"
 
 
-def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk) -> Decision:
+def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk, config: Config | None = None) -> Decision:
     """``--gpu-mem``: a typed request for a GPU type with at least ``ask.gib`` per GPU, chosen by
     the policy's objective among the job's partition's types, else in another configured partition
     that has one and admits the job (the decider's ``admits``, where it has one). The count stays
     as asked (1 GPU when the job asks for none); the decider's other changes do not apply, so a
     model cannot move the job to a smaller card. A model decider adds its predicted peak to the
     reason. No such type anywhere, or a request that cannot carry it, is a refusal naming the option.
-    A decider without a config (no config, ``decider = "keep"``) decides alone: nothing changes."""
-    config = getattr(decider, "config", None)
+    A decider without a config of its own (``decider = "keep"``, a model that cannot be used) reads
+    the site's CONFIG; with none at all the ask cannot be met and is refused: the user's own ask is
+    never dropped."""
+    own = getattr(decider, "config", None)
+    config = own if isinstance(own, Config) else config
     name = getattr(decider, "name", "keep")
     if not isinstance(config, Config):
-        kept = decider.decide(request)
-        return kept._replace(reasons=(*kept.reasons, f"{ask.label} not applied: {name} decider, nothing changes"))
+        why = "; ".join(r.removesuffix("; request kept") for r in decider.decide(request).reasons)
+        return Decision(refusal=ask.refusal(f"cannot be met without a usable slurmgpu config ({why or 'none'}); "
+                                            "nothing submitted"), decider=name)
+    decision = _gpu_mem(decider, config, request, ask)
+    return decision if decision.refusal else decision._replace(asked=ask.label)
+
+
+def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemAsk) -> Decision:
+    """decide_gpu_mem with the config to decide by."""
+    name = getattr(decider, "name", "keep")
     label, comp = ask.label, request.main
     admits: Admits | None = getattr(decider, "admits", None)
 
     def refuse(why: str) -> Decision:
-        return Decision(refusal=f"{label}: {why}", decider=name)
+        return Decision(refusal=ask.refusal(why), decider=name)
 
     if request.is_hetjob:
         return refuse("not for heterogeneous jobs; write the GPU type in each component")

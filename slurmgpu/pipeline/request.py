@@ -50,6 +50,9 @@ _NODES = re.compile(r"^(\d+)([km]?)(?:-(\d+)([km]?))?$", re.IGNORECASE)
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
 
 
+COMMAND_LINE = "command line"  # where an option typed after gsbatch/sbatch was set, in messages
+
+
 class Origin(NamedTuple):
     """Where an effective option value came from."""
 
@@ -65,7 +68,7 @@ class Origin(NamedTuple):
             return f"{path}:{self.line}"
         if self.source == "env":
             return f"environment {self.variable}"
-        return "command line"
+        return COMMAND_LINE
 
 
 class OptionValue(NamedTuple):
@@ -379,7 +382,7 @@ def _cli_options(words: Sequence[str]) -> tuple[list[OptionValue], list[str]]:
     try:
         parsed, _ = split_options(list(words))
     except OptionError as exc:
-        raise InputError(str(exc), option=exc.option, exit_code=SBATCH_USAGE) from None
+        raise InputError(str(exc), file=COMMAND_LINE, option=exc.option, exit_code=SBATCH_USAGE) from None
     values = [OptionValue(p.name, p.value, Origin("cli", index=p.first, last=p.last)) for p in parsed if p.known]
     unknown = [p.name for p in parsed if not p.known]
     return values, unknown
@@ -424,7 +427,7 @@ def build_request(
         try:
             components.append(_component(index, merged, features))
         except InputError as exc:
-            raise _locate(exc, script) from None
+            raise _locate(exc, script, merged) from None
     return JobRequest(script, tuple(components), tuple(cli_options), env, tuple(dict.fromkeys(unknown)))
 
 
@@ -448,9 +451,15 @@ def _inherit(merged: dict[str, OptionValue], first: Mapping[str, OptionValue]) -
             merged.update({name: first[name] for name in family if name in first})
 
 
-def _locate(exc: InputError, script: BatchScript | None) -> InputError:
-    """Attach the script line of the option an error is about, when it came from the script."""
-    if exc.file or script is None or exc.option is None:
+def _locate(exc: InputError, script: BatchScript | None, merged: Mapping[str, OptionValue]) -> InputError:
+    """Attach where the option an error is about was set: the command line, the environment
+    variable, or the script line (a value from the command line is never blamed on the script)."""
+    if exc.file or exc.option is None:
+        return exc
+    ov = merged.get(exc.option.lstrip("-"))
+    if ov is not None and ov.origin.source in ("cli", "env"):
+        return exc.located(file=ov.origin.describe(""))
+    if script is None:
         return exc
     name = exc.option.lstrip("-")
     lines = [d.line for d in script.directives if d.name == name]

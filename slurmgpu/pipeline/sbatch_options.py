@@ -223,6 +223,11 @@ ENV_OPTIONS: dict[str, str] = {
 ENV_BY_OPTION: dict[str, str] = {v: k for k, v in ENV_OPTIONS.items()}
 
 
+def active_long_names() -> list[str]:
+    """The long option names (and aliases) of the sbatch options are split for."""
+    return [*_active.by_name, *_active.aliases]
+
+
 class OptionError(ValueError):
     """An option sbatch would not accept as written (ambiguous, missing argument)."""
 

@@ -13,6 +13,7 @@ Every word keeps its character span, so a rewrite can replace exactly the words 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
@@ -101,10 +102,14 @@ class BatchScript(NamedTuple):
         return "--no-rewrite" in self.gsbatch_options or self.legacy_keep
 
     @property
+    def keep_spelled(self) -> str:
+        """The script's opt-out line as it spells it."""
+        return "#GSBATCH --no-rewrite" if "--no-rewrite" in self.gsbatch_options else "#SLURMGPU keep"
+
+    @property
     def keep_reason(self) -> str:
         """Why the request stands, in the script's own spelling."""
-        spelled = "#GSBATCH --no-rewrite" if "--no-rewrite" in self.gsbatch_options else "#SLURMGPU keep"
-        return f"the script says '{spelled}'; request kept"
+        return f"the script says '{self.keep_spelled}'; request kept"
 
     @property
     def data(self) -> bytes:
@@ -333,9 +338,22 @@ def _gsbatch_options(text: str, begin: int, end: int, path: str, lineno: int, fi
             unknown.append(word)
         i += 1
     if unknown:
-        ignored.append(IgnoredDirective(lineno, line, f"unknown gsbatch option {unknown[0]} "
-                                                      f"(known: {', '.join(GS_OPTIONS)})"))
+        name = unknown[0].partition("=")[0]
+        near = closest(name, GS_OPTIONS)
+        ignored.append(IgnoredDirective(lineno, line, f"{UNKNOWN_GS} {unknown[0]} " + (
+            f"(did you mean {near}?)" if near else f"(known: {', '.join(GS_OPTIONS)})")))
     return found
+
+
+UNKNOWN_GS = "unknown gsbatch option"  # an ignored #GSBATCH line's reason: said on submit, never refused
+
+
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The known option a mistyped NAME most likely meant (``--gpu-memory`` -> ``--gpu-mem``), or None."""
+    import difflib
+
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return found[0] if found else None
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT])(?:i?B)?\s*$", re.IGNORECASE)
