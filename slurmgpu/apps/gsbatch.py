@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
@@ -177,10 +177,12 @@ def read_stdin(stream: TextIO | None = None) -> bytes:
 
 
 def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None,
-         stdin_data: bytes | None = None, config: Config | None = None) -> Plan:
+         stdin_data: bytes | None = None, config: Config | None = None,
+         backend: SlurmBackend | None = None) -> Plan:
     """Parse, decide and rewrite in this process; raises InputError for bad user input.
     A script on stdin is ``stdin_data`` when the caller already read it, else read here.
-    ``config``: the site's, by which a --gpu-mem is met whatever the decider."""
+    ``config``: the site's, by which a --gpu-mem is met whatever the decider; ``backend``: Slurm's
+    node view, read only for a --gpu-mem in a partition the config does not describe."""
     from slurmgpu.pipeline.plan import make_plan, unread_plan
     from slurmgpu.pipeline.script import Unread, decode, parse_script, read_script
 
@@ -199,8 +201,31 @@ def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextI
             return unread_plan(str(exc), decode(exc.data), inv.options)._replace(stdin=stdin_data)
     features: set[str] = getattr(getattr(decider, "config", None), "gpu_features", set)()
     made = make_plan(script, inv.options, env, decider, features, no_rewrite="--no-rewrite" in inv.flags,
-                     gpu_mem=inv.gpu_mem, config=config)
+                     gpu_mem=inv.gpu_mem, config=config, live=partition_gpus(backend) if backend else None)
     return made._replace(stdin=stdin_data)
+
+
+def partition_gpus(backend: SlurmBackend) -> Callable[[str], dict[str, tuple[int, int]] | None]:
+    """A partition's GPUs by type as Slurm's nodes hold them (most on one node, all), read from
+    sinfo once and only when asked; None when Slurm cannot say."""
+    nodes: list[Any] | None = None
+
+    def look(partition: str) -> dict[str, tuple[int, int]] | None:
+        nonlocal nodes
+        if nodes is None:
+            try:
+                nodes = backend.nodes()
+            except Exception:  # noqa: BLE001 - no node view: the config alone decides
+                nodes = []
+        out: dict[str, tuple[int, int]] = {}
+        for node in nodes:
+            if partition in node.partitions:
+                for gpu_type, n in node.gpus.items():
+                    most, total = out.get(gpu_type, (0, 0))
+                    out[gpu_type] = (max(most, n), total + n)
+        return out or None
+
+    return look
 
 
 def daemon_plan(inv: Invocation, env: Mapping[str, str], config: Config,
@@ -453,7 +478,7 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
         from slurmgpu.apps.site import site_decider
 
         decider = site_decider(config, backend, env, deadline)
-    p = plan(inv, env, decider, stdin_data=stdin_data, config=config)
+    p = plan(inv, env, decider, stdin_data=stdin_data, config=config, backend=backend)
     if "--explain" in inv.flags and p.request is not None:
         config_of = getattr(decider, "config", None) or config
         memory = {n: t.memory_gib for n, t in config_of.gpu_types.items()} if config_of is not None else None

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, decide_gpu_mem
+from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, PartitionGpus, decide_gpu_mem
 from slurmgpu.pipeline.request import COMMAND_LINE, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
 from slurmgpu.pipeline.script import UNKNOWN_GS, BatchScript, parse_gpu_mem
@@ -41,10 +41,11 @@ class Plan(NamedTuple):
 
 def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[str, str], decider: Decider,
               gpu_features: Set[str], no_rewrite: bool = False, gpu_mem: str | None = None,
-              config: Config | None = None) -> Plan:
+              config: Config | None = None, live: PartitionGpus | None = None) -> Plan:
     """Read the request as sbatch will, decide, rewrite; raises InputError for bad user input.
     ``gpu_mem``: gsbatch's ``--gpu-mem`` from the command line, which wins over the script's;
-    ``config``: the site's, which a ``--gpu-mem`` is met by when the decider has none of its own."""
+    ``config``: the site's, which a ``--gpu-mem`` is met by when the decider has none of its own;
+    ``live``: the GPUs Slurm's nodes hold in a partition the config does not describe."""
     request = build_request(script, options, env, gpu_features)
     ask = gpu_mem_ask(script, gpu_mem)
     # Over the budget the decider reads the request alone, as for a job without a script.
@@ -57,7 +58,7 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
             decision = Decision(refusal=ask.refusal(f"cannot be applied: {opt_out} keeps the request as "
                                                     "written; drop one of them"), decider=decision.decider)
     elif ask is not None:
-        decision = decide_gpu_mem(decider, read, ask, config)
+        decision = decide_gpu_mem(decider, read, ask, config, live)
     else:
         decision = decider.decide(read)
     try:

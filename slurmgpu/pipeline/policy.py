@@ -91,6 +91,9 @@ _SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...],
 
 # Whether Slurm would take this component in that partition: None when it would, else why not.
 Admits = Callable[[str, ComponentRequest], "str | None"]
+# A partition's GPUs as Slurm's nodes hold them: type -> (most on one node, all in the partition);
+# None when Slurm cannot say. For a partition the admin config does not describe.
+PartitionGpus = Callable[[str], "Mapping[str, tuple[int, int]] | None"]
 
 
 class Decider(Protocol):
@@ -774,7 +777,8 @@ def _gib(value: float) -> str:
     return f"{value:g} GiB"
 
 
-def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk, config: Config | None = None) -> Decision:
+def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk, config: Config | None = None,
+                   live: PartitionGpus | None = None) -> Decision:
     """``--gpu-mem``: a typed request for a GPU type with at least ``ask.gib`` per GPU, chosen by
     the policy's objective among the job's partition's types, else in another configured partition
     that has one and admits the job (the decider's ``admits``, where it has one). The count stays
@@ -783,7 +787,8 @@ def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk, config
     reason. No such type anywhere, or a request that cannot carry it, is a refusal naming the option.
     A decider without a config of its own (``decider = "keep"``, a model that cannot be used) reads
     the site's CONFIG; with none at all the ask cannot be met and is refused: the user's own ask is
-    never dropped."""
+    never dropped. ``live``: what Slurm's nodes hold in a partition the config does not describe, so a
+    partition the user named is kept when its cards hold the ask."""
     own = getattr(decider, "config", None)
     config = own if isinstance(own, Config) else config
     name = getattr(decider, "name", "keep")
@@ -791,11 +796,12 @@ def decide_gpu_mem(decider: Decider, request: JobRequest, ask: GpuMemAsk, config
         why = "; ".join(r.removesuffix("; request kept") for r in decider.decide(request).reasons)
         return Decision(refusal=ask.refusal(f"cannot be met without a usable slurmgpu config ({why or 'none'}); "
                                             "nothing submitted"), decider=name)
-    decision = _gpu_mem(decider, config, request, ask)
+    decision = _gpu_mem(decider, config, request, ask, live)
     return decision if decision.refusal else decision._replace(asked=ask.label)
 
 
-def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemAsk) -> Decision:
+def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemAsk,
+             live: PartitionGpus | None = None) -> Decision:
     """decide_gpu_mem with the config to decide by."""
     name = getattr(decider, "name", "keep")
     label, comp = ask.label, request.main
@@ -837,6 +843,12 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
     own = list(dict.fromkeys(t for p in known if room(p) for t in p.gpu_types if t in pool))
     target: Partition | None = None
     moved = ""
+    if not own and not known and live is not None:  # a partition the config does not describe: Slurm's nodes
+        held = [(p, live(p) or {}) for p in asked]
+        own = list(dict.fromkeys(t for _, gpus in held for t, (most, total) in gpus.items()
+                                 if t in pool and (per_node or 0) <= most and count <= total))
+        where = ",".join(asked)
+        moved = f"; partition {where} (not in the slurmgpu config) has it on Slurm's nodes" if own else ""
     if own:
         choice = _by_objective(own, types, config.policy.objective)
     else:
