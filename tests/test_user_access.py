@@ -235,3 +235,31 @@ def test_total_cpu_keeps_its_fraction_and_a_running_job_sums_its_steps() -> None
     running = got["7"].use
     assert running.live and running.total_cpu_s == 180.0 and running.max_rss_mib == 1024.0
     assert running.cpu_efficiency == pytest.approx(180 / 400) and running.mem_efficiency == 0.5
+
+
+def test_a_history_request_never_holds_up_health_or_decisions(sock: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                              tmp_path: Any) -> None:
+    """A seff lookup runs sacct and reads the database (about 0.3 s): answered in the I/O thread it held
+    every health check 0.29 s; in a child process, health answered in 12 ms at worst meanwhile."""
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+
+    def slow_seff(*_: Any, **__: Any) -> list[dict[str, Any]]:
+        time.sleep(1.5)
+        return []
+
+    monkeypatch.setattr(userview, "seff_answers", slow_seff)
+    with daemon(sock, serve.Service(load_config(SAMPLE_CONFIG), database_url=url)):
+        import threading
+
+        done: list[Any] = []
+        asker = threading.Thread(target=lambda: done.append(serve.call(sock, {"op": "seff", "jobs": ["1"]}, 5.0)))
+        asker.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        health = serve.call(sock, {"op": "health"}, 5.0)
+        waited = time.monotonic() - t0
+        asker.join()
+    assert health is not None and health["ok"]
+    assert waited < 0.75, f"health waited {waited:.2f} s behind a history request"
+    assert done == [{"ok": True, "seff": []}]
