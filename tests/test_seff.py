@@ -59,7 +59,7 @@ def test_figures_by_hand(history: str) -> None:
     assert s["asked"] == "4 x a100 GPUs in partition gpu"
     assert s["decision"] == "kept the request (model decider; model: best choice gains 3% (< 10%); request kept)"
     assert [(a["kind"], a["fix"]) for a in s["alerts"]] == [("idle_gpus", "use 2 GPU(s), not 4 (--gres=gpu:a100:2)")]
-    assert s["missing"] == []
+    assert s["missing"] == ["CPU and host memory: Slurm's accounting has no record of this job now"]  # a made-up job
     text = seff(history, "201").output
     for line in ("Job ID: 201", "GPUs: 4 x a100 (80 GiB each)", "Elapsed: 02:00:00 (time limit 04:00:00)",
                  "GPU-hours used: 8.00", "GPU-hours wasted: 4.00 (2 idle GPU(s) x 02:00:00)",
@@ -77,8 +77,8 @@ def test_says_what_is_missing(history: str) -> None:
     assert any("too short for reliable figures" in m for m in short["missing"])
     text = seff(history, "202").output
     assert "GPU-hours wasted: - (no per-GPU figures)" in text and "Missing: decision: no submission record" in text
-    res = seff(history, "999")
-    assert res.exit_code == 1 and "job 999 is not in the history database" in res.output
+    res = seff(history, "99999999")  # neither stored nor in Slurm's accounting (a real 999 is answered from sacct)
+    assert res.exit_code == 1 and "job 99999999 is not in the history database" in res.output
 
 
 def test_a_user_sees_only_their_own_jobs(shared_db: str) -> None:  # noqa: F811

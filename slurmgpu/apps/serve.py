@@ -20,6 +20,16 @@ the connection closed. Requests:
     its own process (``slurmgpu.pipeline.plan``), rewritten script included; ``{"ok": false,
     "input_error": TEXT}`` when the script or options are bad. Only for the config this daemon serves.
 
+``{"op": "seff", "jobs": [JOBID...], "cluster": C|null}``
+    ``{"ok": true, "seff": [{"job_id", "text", "json"} | {"job_id", "error"}]}``: ``slurmgpu seff`` for a
+    user who cannot read the history database (slurmgpu.apps.userview), at most 100 ids.
+``{"op": "jobs", "user": U|null, "since": ISO|null, "job_ids": [ID...], "limit": N}``
+    ``{"ok": true, "jobs": [ROW...], "left_out": N}``: ``slurmgpu jobs``, at most 1000 rows.
+``{"op": "report", "since": ISO, "until": ISO, "user": U|null, "account": A|null, "cluster": C|null}``
+    ``{"ok": true, "jobs": [JOBUSE...], "user": U|null}``: the jobs ``slurmgpu report`` summarises.
+    These three answer only what the peer may see: its own jobs; an account coordinator's accounts;
+    everything for root, SlurmUser, the daemon's own account and Slurm administrators.
+
 Anything else, or a job that cannot be read, gets ``{"ok": false, "error": TEXT}``.
 
 JOB is what job_submit.lua sees in ``job_desc``; every key is optional and unknown keys are
@@ -52,8 +62,9 @@ request stands, and on a refusal too (reported in ``refused``; Slurm has the las
 
 Security: the socket is mode 0660, group ``--group``, in a root-owned 0755 directory, and each
 peer is checked with SO_PEERCRED: only root, the daemon's own user, SlurmUser and members of the
-group get answers. The daemon answers decisions and health only; it has no history queries, and
-the model it applies holds no per-user statistics. A request line is at most
+group get answers. History requests (``seff``, ``jobs``, ``report``) are answered only with the
+jobs the peer may see (slurmgpu.apps.userview), each in a child process off the I/O thread; the
+model it applies holds no per-user statistics. A request line is at most
 ``MAX_REQUEST_BYTES`` (256 KiB); connections are served concurrently (see serve_socket).
 """
 
@@ -97,6 +108,7 @@ from slurmgpu.pipeline.spool import SOURCES, new_record, script_text, write_reco
 from slurmgpu.slurm.partitions import PartitionRules
 
 FREE_GPUS_EVERY_S = 10.0
+HISTORY_OPS = ("seff", "jobs", "report")
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
 
 log = logging.getLogger("slurmgpu.apps.serve")
@@ -363,8 +375,15 @@ class Service:
     def __init__(self, config: Config, model_path: str | None = None,
                  free_gpus: Callable[[], Mapping[str, int]] | None = None, reload_s: float = 2.0,
                  partitions: Callable[[], Mapping[str, PartitionRules]] | None = None,
-                 queue: Callable[[], GpuLedger] | None = None, record_spool: str | None = None) -> None:
+                 queue: Callable[[], GpuLedger] | None = None, record_spool: str | None = None,
+                 database_url: str | None = None) -> None:
         self.config, self.reload_s = config, reload_s
+        # The history database, for users who may not read it themselves (seff, jobs, report); the
+        # modules are imported now, as root: after --run-as the install may be unreadable.
+        self.database_url = database_url
+        if database_url is not None:
+            from slurmgpu.apps import userview  # noqa: F401
+            from slurmgpu.history import db  # noqa: F401
         # Decisions made for slurmctld's hook go as spool records into ``record_spool`` (lineage), written
         # by a background thread off the request path; None records nothing.
         self.records = DecisionRecords(record_spool, config.site.cluster) if record_spool else None
@@ -580,8 +599,10 @@ class Service:
             who = identify(message if isinstance(message, dict) else {}, peer)
             if op == "plan":
                 return self.plan_reply(message, t0, who)
+            if op in HISTORY_OPS:
+                return self.history_reply(op, message, peer, t0)
             if op != "decide":
-                raise InputError(f"unknown op {op!r} (expected 'decide', 'plan' or 'health')")
+                raise InputError(f"unknown op {op!r} (expected 'decide', 'plan', 'health', 'seff', 'jobs' or 'report')")
             if not isinstance(message.get("job"), dict):
                 raise InputError("'job' must be an object")
             # recorded as the hook's decision only when slurmctld asks (or an in-process caller)
@@ -649,6 +670,77 @@ class Service:
         self._log(who, t0, request=describe(made.request.main) if made.request else "-", result=result,
                   decider=decision.decider, mode=mode)
         return {"ok": True, "plan": {**made.to_json(), "model_version": version}}
+
+    @staticmethod
+    def slow(line: bytes) -> bool:
+        """Whether a line may be a history request, which reads the database and runs sacct: those are
+        answered in a child process, off the I/O thread (serve_socket). A false positive costs a fork."""
+        return b'"op"' in line and any(b'"%s"' % op.encode() in line for op in HISTORY_OPS)
+
+    def history_reply(self, op: str, message: Mapping[str, Any], peer: Peer | None, t0: float) -> dict[str, Any]:
+        """A seff, jobs or report request, answered with only what the peer may see; root, SlurmUser and
+        the daemon's own account (the nightly account) see everything."""
+        from slurmgpu.apps import userview
+        from slurmgpu.history import db
+
+        uid = os.geteuid() if peer is None else peer.uid
+        who = Who(_uid_name(uid), uid, "peer" if peer else "caller")
+        if self.database_url is None:
+            raise InputError("this daemon serves no history database")
+        viewer = userview.Viewer(uid, everyone=peer is None or peer.trusted or peer.uid == os.geteuid())
+        engine = db.make_engine(self.database_url)
+        try:
+            reply = self._history(op, message, viewer, engine)
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the database's fault, said in one line
+            self._log(who, t0, op=op, error=db.describe_error(self.database_url, exc))
+            return {"ok": False, "error": db.describe_error(self.database_url, exc)}
+        finally:
+            engine.dispose()
+        self._log(who, t0, op=op, result=f"{len(reply.get('seff') or reply.get('jobs') or ())} answered")
+        return {"ok": True, **reply}
+
+    def _history(self, op: str, message: Mapping[str, Any], viewer: Any, engine: Any) -> dict[str, Any]:
+        from slurmgpu.apps import userview
+
+        def text(key: str) -> str | None:
+            value = message.get(key)
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise InputError(f"{op}: {key!r} must be a string or null")
+            return value
+
+        def when(key: str) -> datetime | None:
+            value = text(key)
+            try:
+                return datetime.fromisoformat(value) if value else None
+            except ValueError:
+                raise InputError(f"{op}: {key!r} must be an ISO time") from None
+
+        def ids(key: str, most: int) -> list[str]:
+            value = message.get(key) or []
+            if not isinstance(value, list) or len(value) > most or \
+                    not all(isinstance(v, str) and 0 < len(v) <= 64 for v in value):
+                raise InputError(f"{op}: {key!r} must be a list of at most {most} job ids")
+            return value
+
+        if op == "seff":
+            return {"seff": userview.seff_answers(engine, ids("jobs", userview.MAX_SEFF_JOBS), text("cluster"),
+                                                  self.config, viewer)}
+        if op == "jobs":
+            limit = message.get("limit", userview.MAX_JOB_ROWS)
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise InputError("jobs: 'limit' must be a whole number")
+            return userview.jobs_answer(engine, viewer, text("user"), when("since"), ids("job_ids", 1000), limit)
+        since, until = when("since"), when("until")
+        if since is None or until is None:
+            raise InputError("report: 'since' and 'until' are required")
+        jobs, user = userview.report_jobs(engine, viewer, since, until, text("user"), text("account"),
+                                          text("cluster"))
+        if len(jobs) > userview.MAX_REPORT_JOBS:
+            raise InputError(f"report: {len(jobs)} jobs in the window, more than {userview.MAX_REPORT_JOBS} "
+                             "(a shorter --since/--until)")
+        return {"jobs": userview.jobs_to_json(jobs), "user": user}
 
     @staticmethod
     def _log(who: Who, t0: float, **fields: str) -> None:

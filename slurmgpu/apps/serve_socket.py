@@ -241,7 +241,7 @@ class Server:
             if not line.strip():
                 continue
             client.seen = time.monotonic()
-            if len(line) <= INLINE_BYTES:
+            if len(line) <= INLINE_BYTES and not self.service.slow(line):
                 self._send(client, self.service.handle(line, client.peer))
             else:
                 client.busy = True

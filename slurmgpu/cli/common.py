@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import click
 
 from slurmgpu.pipeline.config import Config, find_config, load_config
-from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.errors import InputError, one_line
 
 
 def fail(exc: Exception) -> NoReturn:
@@ -60,17 +60,46 @@ def history_engine(ctx: click.Context, migrated: bool = True) -> Any:
     """An engine on the history database; exits with one line when it is unreachable or not migrated."""
     from slurmgpu.history import db
 
+    if not migrated:
+        return db.make_engine(db_url(ctx))
+    engine, why = open_history(ctx)
+    if engine is None:
+        fail(InputError(why))
+    return engine
+
+
+def open_history(ctx: click.Context) -> tuple[Any, str]:
+    """(an engine, "") or (None, why this user cannot use the database): a user who may not read it
+    (it is 0600 to the nightly account) asks the daemon instead (``ask_daemon``)."""
+    from slurmgpu.history import db
+
     url = db_url(ctx)
-    if migrated:
-        try:
-            current, head = db.current_revision(url), db.head_revision()
-        except Exception as exc:  # noqa: BLE001 - any driver error is the same message to the user
-            fail(InputError(f"database {safe_url(url)} unreachable: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0]}"))
-        if current != head:
-            fail(InputError(f"database {safe_url(url)} is at revision {current or 'none'}, code needs {head}: "
-                            "run `slurmgpu db upgrade`"))
-    return db.make_engine(url)
+    try:
+        current, head = db.current_revision(url), db.head_revision()
+    except Exception as exc:  # noqa: BLE001 - any driver error is the same message to the user
+        return None, f"database {safe_url(url)} unreachable: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    if current != head:
+        return None, (f"database {safe_url(url)} is at revision {current or 'none'}, code needs {head}: "
+                      "run `slurmgpu db upgrade`")
+    return db.make_engine(url), ""
+
+
+def ask_daemon(message: dict[str, Any], why: str) -> dict[str, Any]:
+    """The daemon's answer to a history request (``slurmgpu serve`` reads the database and answers
+    only what this user may see); exits with one line when it gives none."""
+    from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, call
+
+    path = os.environ.get("SLURMGPU_SOCKET") or DEFAULT_SOCKET
+    reply = call(path, message, HISTORY_TIMEOUT_S)
+    if reply is None:
+        fail(InputError(f"{why}; the daemon at {path} did not answer either (is `slurmgpu serve` running, "
+                        "and may you use its socket?)"))
+    if not reply.get("ok"):
+        fail(InputError(one_line(str(reply.get("error")))[:500]))
+    return reply
+
+
+HISTORY_TIMEOUT_S = 10.0  # the daemon reads the database and runs sacct for a history request
 
 
 def safe_url(url: str) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import click
 
-from slurmgpu.cli.common import current_user, fail, history_engine, site_config
+from slurmgpu.cli.common import ask_daemon, fail, open_history, site_config
 from slurmgpu.pipeline.errors import InputError
 
 
@@ -16,25 +17,28 @@ from slurmgpu.pipeline.errors import InputError
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON (a list, one object per job).")
 @click.pass_context
 def seff_cmd(ctx: click.Context, job_ids: tuple[str, ...], cluster: str | None, as_json: bool) -> None:
-    """GPU efficiency of finished jobs from the history database: per-GPU peak memory against the
-    card, utilisation, idle GPUs, GPU-hours used and wasted, what was asked and what slurmgpu
-    chose, and advice. Users see their own jobs; root sees all."""
-    from slurmgpu.reporting import queries, seff
+    """GPU, CPU and host-memory efficiency of jobs: per-GPU peak memory against the card,
+    utilisation, idle GPUs, GPU-hours used and wasted, what was asked and what slurmgpu chose, and
+    advice, from the history database; CPU and memory from Slurm, a running job's so far. Users
+    see their own jobs (through `slurmgpu serve` when they cannot read the database), account
+    coordinators their accounts', root and Slurm administrators all."""
+    from slurmgpu.apps import userview
 
     config = site_config(ctx, required=False)
     cluster = cluster or (config.site.cluster if config else None)
-    engine = history_engine(ctx)
-    me = None if os.geteuid() == 0 else current_user()
-    results = []
-    for job_id in job_ids:
-        found = queries.find_job(engine, job_id.strip(), cluster)
-        if found is None:
-            fail(InputError(f"job {job_id} is not in the history database (running jobs and jobs the nightly "
-                            "ingest has not loaded yet are not there)"))
-        if me is not None and found.job.user != me:
-            fail(InputError(f"job {job_id} belongs to another user: you may only see your own jobs"))
-        results.append(seff.build(found, config))
-    if as_json:
-        click.echo(seff.to_json(results))
+    ids = [j.strip() for j in job_ids]
+    if len(ids) > userview.MAX_SEFF_JOBS:
+        fail(InputError(f"at most {userview.MAX_SEFF_JOBS} job ids at a time", option="JOBID"))
+    engine, why = open_history(ctx)
+    if engine is None:
+        answers = ask_daemon({"op": "seff", "jobs": ids, "cluster": cluster}, why)["seff"]
     else:
-        click.echo("\n".join(seff.to_text(r) for r in results), nl=False)
+        viewer = userview.Viewer(os.geteuid(), everyone=os.geteuid() == 0)
+        answers = userview.seff_answers(engine, ids, cluster, config, viewer)
+    for answer in answers:
+        if "error" in answer:
+            fail(InputError(str(answer["error"])))
+    if as_json:
+        click.echo(json.dumps([a["json"] for a in answers], indent=2))
+    else:
+        click.echo("\n".join(a["text"] for a in answers), nl=False)

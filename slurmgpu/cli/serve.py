@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from slurmgpu.apps.serve import DEFAULT_SOCKET
-from slurmgpu.cli.common import fail, site_config, write_file
+from slurmgpu.cli.common import db_url, fail, site_config, write_file
 from slurmgpu.pipeline.errors import InputError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]*$")  # partitions, accounts, users, groups
@@ -161,7 +161,8 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
         service = serve.Service(config, model or model_path(config, os.environ), backend.free_gpus, reload_s,
                                 partitions=read_partitions,
                                 queue=lambda: GpuLedger.from_queue(backend.nodes(), backend.queue()),
-                                record_spool=os.path.expanduser(spool) if spool else None)
+                                record_spool=os.path.expanduser(spool) if spool else None,
+                                database_url=db_url(ctx))  # seff, jobs, report for users who cannot read it
         server = serve_socket.Server(socket_path, service, access, file_mode)
     except (InputError, OSError) as exc:
         fail(exc)

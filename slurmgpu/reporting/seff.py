@@ -17,6 +17,7 @@ from slurmgpu.reporting import alerts
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, UNTYPED, OneJob, job_use
 from slurmgpu.reporting.report import describe_change
 from slurmgpu.slurm.sacct import format_duration
+from slurmgpu.slurm.usage import HostUse
 
 MIN_SAMPLES = 3  # fewer collector samples than this: utilisation is a guess
 MIN_ELAPSED_S = 60  # the collector samples every few seconds; shorter jobs have no reliable mean
@@ -57,9 +58,14 @@ class Seff(NamedTuple):
     decision: str | None
     alerts: list[alerts.JobAlert]
     missing: list[str]
+    host: HostUse | None = None  # CPU and host memory, from Slurm when seff is asked (not in the history)
 
     def to_dict(self) -> dict[str, Any]:
         out = self._asdict()
+        if self.host is not None:
+            out["host"] = {**self.host._asdict(), "cpu_efficiency": self.host.cpu_efficiency,
+                           "mem_efficiency": self.host.mem_efficiency}
+            out["host"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in out["host"].items()}
         out["gpus"] = [{k: round(v, 4) if isinstance(v, float) else v for k, v in g._asdict().items()}
                        for g in self.gpus]
         out["alerts"] = [{"kind": a.kind, "what": alerts.KINDS[a.kind], "detail": a.detail, "fix": a.fix,
@@ -155,11 +161,28 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}%"
 
 
+def host_lines(h: HostUse | None) -> list[str]:
+    """seff's own CPU and memory lines (CPU time over CPUs x elapsed; MaxRSS over the memory asked for)."""
+    if h is None:
+        return []
+    so_far = " so far" if h.live else ""
+    cpu, mem = h.cpu_efficiency, h.mem_efficiency
+    wall = h.cpus * h.elapsed_s if h.cpus and h.elapsed_s else None
+    return [
+        f"Cores: {h.cpus or '-'}",
+        f"CPU Utilized{so_far}: " + (_duration(round(h.total_cpu_s)) if h.total_cpu_s is not None else "-"),
+        f"CPU Efficiency{so_far}: " + (f"{cpu:.2%} of {_duration(wall)} core-walltime" if cpu is not None and wall
+                                       else "-"),
+        f"Memory Utilized{so_far}: " + (_gib(h.max_rss_mib) if h.max_rss_mib is not None else "-"),
+        f"Memory Efficiency{so_far}: " + (f"{mem:.2%} of {_gib(h.req_mem_mib)}" if mem is not None else "-"),
+    ]
+
+
 def to_text(s: Seff) -> str:
     """seff's layout: one 'Label: value' line each, then per-GPU lines, advice and what is missing."""
     lines = [f"Job ID: {s.job_id}", f"Cluster: {s.cluster}", f"User/Account: {s.user}/{s.account}",
              f"State: {s.state} (exit code {'-' if s.exit_code is None else s.exit_code})",
-             f"Partition: {s.partition or '-'}   Nodes: {s.nodes or '-'}"]
+             f"Partition: {s.partition or '-'}   Nodes: {s.nodes or '-'}", *host_lines(s.host)]
     if not s.gpu_count:
         lines.append("GPUs: none (this job had no GPUs; `seff` covers its CPUs and memory)")
         return "\n".join(lines + [f"Missing: {m}" for m in s.missing]) + "\n"
