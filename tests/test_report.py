@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from test_alerts import demo_history  # noqa: F401 - the demo generator's history, ingested
 
 from slurmgpu.cli.main import main
 from slurmgpu.cli.report import report_cmd
@@ -55,7 +56,8 @@ def usage(job_id: str, peak: float, util: float, per_gpu_util: list[float], host
           cluster: str = "slurmgpu") -> dict[str, Any]:
     return {"cluster": cluster, "job_id": job_id, "hostname": host, "source": "nvml", "gpus": len(per_gpu_util),
             "peak_mem_mib": peak, "max_util": util, "mean_util": util / 2, "samples": 10,
-            "detail": [{"index": i, "peak_mem_mib": peak, "max_util": u} for i, u in enumerate(per_gpu_util)]}
+            "detail": [{"index": i, "peak_mem_mib": peak, "max_util": u} for i, u in enumerate(per_gpu_util)],
+            "gpu_oom": None, "gpu_oom_line": None}
 
 
 def submission(job_id: str, user: str, original: dict[str, Any], changes: list[dict[str, Any]],
@@ -139,17 +141,17 @@ def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
     assert users["alice", "ml"] == pytest.approx({
         "user": "alice", "account": "ml", "jobs": 2, "gpu_hours": 4.0, "idle_gpu_hours": 2.0,
         "mem_asked_gib": 80.0, "mem_used_gib": (2 * 40 + 2 * 100 / 1024) / 4, "mem_used_share": a100_share,
-        "gpus_asked": 3, "gpus_busy": 1, "ooms": 0, "changed": 0, "gpu_hours_saved": 0.0,
+        "gpus_asked": 3, "gpus_busy": 1, "ooms": 0, "gpu_ooms": 0, "changed": 0, "gpu_hours_saved": 0.0,
         "queue_hours_saved": None}, abs=1e-4)
     # (8 - 4 GPUs) x 0.5 h = 2 GPU-h; queue: 1800 s expected as asked (v100 x 8), 0 s as decided = 0.5 h.
     assert users["bob", "phys"] == pytest.approx({
         "user": "bob", "account": "phys", "jobs": 2, "gpu_hours": 3.0, "idle_gpu_hours": 0.0,
         "mem_asked_gib": 32.0, "mem_used_gib": 32.0, "mem_used_share": 1.0, "gpus_asked": 0, "gpus_busy": 0,
-        "ooms": 1, "changed": 2, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5}, abs=1e-4)
+        "ooms": 1, "gpu_ooms": 0, "changed": 2, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5}, abs=1e-4)
     assert users["carol", "ml"] == pytest.approx({
         "user": "carol", "account": "ml", "jobs": 1, "gpu_hours": 2.0, "idle_gpu_hours": 0.0,
         "mem_asked_gib": 32.0, "mem_used_gib": 16.0, "mem_used_share": 0.5, "gpus_asked": 2, "gpus_busy": 2,
-        "ooms": 0, "changed": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None}, abs=1e-4)
+        "ooms": 0, "gpu_ooms": 0, "changed": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None}, abs=1e-4)
     assert data["changes"] == [
         {"change": "4 -> 2 GPUs", "jobs": 1, "users": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None},
         {"change": "8 -> 4 GPUs", "jobs": 1, "users": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5},
@@ -158,7 +160,7 @@ def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
     ]
     assert data["totals"] == pytest.approx({
         "jobs": 5, "gpu_hours": 9.0, "idle_gpu_hours": 2.0, "mem_used_share": (4 * a100_share + 4 * 0.75) / 8,
-        "ooms": 1, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5,
+        "ooms": 1, "gpu_ooms": 0, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5,
         "advised": 0, "advised_gpu_hours": 0.0, "advised_queue_hours": None}, abs=1e-4)
     assert data["advised"] == []
     assert {(d["date"], d["gpu_type"]): d["gpu_hours"] for d in data["daily"]} == {
@@ -476,3 +478,60 @@ def test_advised_decisions_are_shown_apart_from_applied_ones() -> None:
     assert "advised, not applied" in render.to_html(rep, datetime(2026, 2, 1))
     assert "Advised, not applied" not in render.table_rows(report.build(jobs[2:], None, datetime(2026, 1, 1),
                                                                         datetime(2026, 1, 31)))
+
+
+def oom_history(url: str) -> None:
+    """GPU OOMs the collector saw, against the usable memory NVML reported (a T4: 15,360 MiB, not 16 GiB)."""
+    jobs: list[dict[str, Any]] = []
+    day = datetime(2026, 1, 10)
+    add_job(jobs, "301", "tess", "ml", "t4", 1, 3600, day, state="FAILED", partition="gpu-small")
+    add_job(jobs, "302", "tess", "ml", "v100", 2, 3600, day, state="TIMEOUT", partition="gpu")
+    add_job(jobs, "303", "tess", "ml", "a100", 1, 3600, day, partition="gpu")  # caught its OOM and finished
+    add_job(jobs, "304", "tess", "ml", "v100", 1, 3600, day, state="OUT_OF_MEMORY", partition="gpu")  # host memory
+    add_job(jobs, "305", "tess", "ml", "a100", 1, 3600, day, state="FAILED", partition="gpu")  # another error
+    t4 = usage("301", 15000.0, 90.0, [90.0])  # 97.7% of 15,360 MiB; 91.6% of the nominal 16 GiB
+    t4["detail"][0]["memory_total_mib"] = 15360.0
+    said = usage("302", 20000.0, 90.0, [90.0, 90.0])
+    said["gpu_oom"], said["gpu_oom_line"] = "pytorch", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    caught = usage("303", 81000.0, 90.0, [90.0])
+    caught["gpu_oom"] = "pytorch"
+    insert(url, jobs, [t4, said, caught, usage("305", 1000.0, 90.0, [90.0])], [])
+
+
+def test_gpu_ooms_have_one_definition_in_headline_tables_and_alerts(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    oom_history(url)
+    data = json.loads(run_report(url, "--format", "json").output)
+    assert (data["totals"]["ooms"], data["totals"]["gpu_ooms"]) == (3, 2)
+    assert [(u["ooms"], u["gpu_ooms"]) for u in data["users"]] == [(3, 2)]
+    oom_alerts = {a["kind"]: a for a in data["alerts"]}
+    assert (oom_alerts["gpu_oom"]["jobs"], oom_alerts["host_oom"]["jobs"]) == (2, 1)
+    jobs = queries.load_jobs(db.make_engine(url), SINCE, UNTIL)
+    from slurmgpu.pipeline.config import load_config
+    from slurmgpu.reporting import alerts
+
+    found = {a.job_id: a for j in jobs for a in alerts.job_alerts(j, load_config(str(SAMPLE_CONFIG)))}
+    assert {k: a.kind for k, a in found.items()} == {"301": "gpu_oom", "302": "gpu_oom", "304": "host_oom"}
+    assert found["301"].detail == "peak 14.6 GiB of the card's 15.0 GiB"
+    assert found["302"].detail.startswith("pytorch reported CUDA out of memory; peak 19.5 GiB of the card's 32.0 GiB")
+    assert "3 OOMs (2 GPU)" in render.headline(report.build(jobs, load_config(str(SAMPLE_CONFIG)), SINCE, UNTIL))
+    page = run_report(url, "--html", str(tmp_path / "r.html"))
+    assert page.exit_code == 0, page.output
+    assert "3 (2 GPU, 1 host memory)" in (tmp_path / "r.html").read_text()
+
+
+def test_gpu_oom_count_on_the_demo_history_matches_its_alerts(demo_history: tuple[Any, Any, str]) -> None:  # noqa: F811
+    """The demo's history: the headline's OOM count is its own alerts' GPU and host OOM jobs."""
+    from slurmgpu.pipeline.config import load_config
+
+    hist, engine, _ = demo_history
+    config = load_config(str(SAMPLE_CONFIG))
+    built = report.build(queries.load_jobs(engine, datetime(2000, 1, 1), hist.cut), config, datetime(2000, 1, 1),
+                         hist.cut)
+    by_kind = {r.kind: 0 for r in built.alerts}
+    for r in built.alerts:
+        by_kind[r.kind] += r.jobs
+    assert by_kind.get("gpu_oom", 0) > 0
+    totals = built.totals()
+    assert (totals["gpu_ooms"], totals["ooms"]) == (by_kind["gpu_oom"], by_kind["gpu_oom"] + by_kind.get("host_oom", 0))

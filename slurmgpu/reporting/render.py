@@ -113,11 +113,12 @@ def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[st
             (t.gpu_type, str(t.jobs), _num(t.gpu_hours), _num(t.idle_gpu_hours), _num(t.measured_gpu_hours),
              _pct(t.mem_used_share)) for t in report.types]),
         "Users and accounts": (("user", "account", "jobs", "GPU-h", "idle GPU-h", "GiB/GPU asked", "GiB/GPU used",
-                                "memory used", "GPUs busy/asked", "OOMs", "changed", "GPU-h saved",
-                                "queue h saved"), [
+                                "memory used", "GPUs busy/asked", "OOMs", "GPU OOMs", "changed",
+                                "GPU-h saved",                                "queue h saved"), [
             (u.user, u.account, str(u.jobs), _num(u.gpu_hours), _num(u.idle_gpu_hours), _num(u.mem_asked_gib),
              _num(u.mem_used_gib), _pct(u.mem_used_share), _ratio(u.gpus_busy, u.gpus_asked), str(u.ooms),
-             str(u.changed), _num(u.gpu_hours_saved), _num(u.queue_hours_saved)) for u in report.users]),
+             str(u.gpu_ooms), str(u.changed), _num(u.gpu_hours_saved), _num(u.queue_hours_saved))
+            for u in report.users]),
         "Changes by slurmgpu": (("change", "jobs", "users", "GPU-h saved", "queue h saved"), [
             (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
             for c in report.changes]),
@@ -179,7 +180,7 @@ def headline(report: Report) -> str:
     scope = f"user {report.user}" if report.user else "all users"
     return (f"{_iso(report.since)} .. {_iso(report.until)}, {scope}: {t['jobs']} GPU jobs, "
             f"{_num(t['gpu_hours'])} GPU-h ({_num(t['idle_gpu_hours'])} idle), memory used "
-            f"{_pct(t['mem_used_share'])}, {t['ooms']} OOMs, {t['changed']} changed by slurmgpu "
+            f"{_pct(t['mem_used_share'])}, {t['ooms']} OOMs ({t['gpu_ooms']} GPU), {t['changed']} changed by slurmgpu "
             f"({_num(t['gpu_hours_saved'])} GPU-h saved)" + advised_line(t))
 
 
@@ -336,7 +337,8 @@ def to_html(report: Report, generated: datetime) -> str:
     tiles = [("GPU jobs", f"{t['jobs']:,}"), ("GPU-hours", _num(t["gpu_hours"], 0)),
              ("idle GPU-hours", f"{_num(t['idle_gpu_hours'], 0)} ({_pct(t['idle_gpu_hours'] / t['gpu_hours'])})"
               if t["gpu_hours"] else "-"),
-             ("GPU memory used", _pct(t["mem_used_share"])), ("OOM jobs", str(t["ooms"])),
+             ("GPU memory used", _pct(t["mem_used_share"])),
+             ("OOM jobs", f"{t['ooms']} ({t['gpu_ooms']} GPU, {t['ooms'] - t['gpu_ooms']} host memory)"),
              ("changed by slurmgpu", str(t["changed"])), ("GPU-hours saved (est.)", _num(t["gpu_hours_saved"], 0)),
              ("queue hours saved (est.)", _num(t["queue_hours_saved"]))]
     if t["advised"]:
