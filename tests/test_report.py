@@ -56,8 +56,7 @@ def usage(job_id: str, peak: float, util: float, per_gpu_util: list[float], host
           cluster: str = "slurmgpu") -> dict[str, Any]:
     return {"cluster": cluster, "job_id": job_id, "hostname": host, "source": "nvml", "gpus": len(per_gpu_util),
             "peak_mem_mib": peak, "max_util": util, "mean_util": util / 2, "samples": 10,
-            "detail": [{"index": i, "peak_mem_mib": peak, "max_util": u} for i, u in enumerate(per_gpu_util)],
-            "gpu_oom": None, "gpu_oom_line": None}
+            "detail": [{"index": i, "peak_mem_mib": peak, "max_util": u} for i, u in enumerate(per_gpu_util)]}
 
 
 def submission(job_id: str, user: str, original: dict[str, Any], changes: list[dict[str, Any]],
@@ -80,7 +79,8 @@ def insert(url: str, jobs: list[dict[str, Any]], usages: list[dict[str, Any]], s
     with engine.begin() as conn:
         conn.execute(Job.__table__.insert(), [dict.fromkeys(keys) | j for j in jobs])
         if usages:
-            conn.execute(GpuUsage.__table__.insert(), usages)
+            columns = {k for u in usages for k in u}
+            conn.execute(GpuUsage.__table__.insert(), [dict.fromkeys(columns) | u for u in usages])
         if subs:
             conn.execute(Submission.__table__.insert(), subs)
     engine.dispose()

@@ -144,3 +144,50 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     assert second["decision"].startswith("changed it: partition gpu-small -> gpu")
     text = slurmgpu("--config", str(sample_config), "seff", decided, db=url).stdout
     assert f"Job ID: {decided}" in text and "slurmgpu: changed it: partition gpu-small -> gpu" in text
+
+
+# --- what seff says must be true of the job it describes ---------------------------------------
+
+@pytest.fixture
+def odd_history(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    jobs: list[dict[str, Any]] = []
+    day = datetime(2026, 1, 10, 12)
+    add_job(jobs, "401", "alice", "ml", "a100", 1, 600, day, partition="gpu-small")  # advised, ran as written
+    add_job(jobs, "402", "alice", "ml", "t4", 2, 0, day, state="PENDING", partition="gpu-small")  # requeued
+    jobs[-1].update(start_time=None, end_time=None)
+    add_job(jobs, "403", "alice", "ml", "t4", 2, 300, day, partition="gpu-small")  # 5 min, second GPU idle
+    sub = submission("401", "alice", {"gpu_type": "a100", "gpus_total": 1, "partition": "gpu-small"},
+                     [{"index": 0, "gpu_type": None, "gpus_total": None, "partition": "gpu"}])
+    sub["decision"].update(mode="advise", advised=True, reasons=["rules: a100 is not in gpu-small"])
+    sub["changed"] = False
+    earlier = usage("402", 9000.0, 80.0, [80.0, 70.0])
+    earlier.update(samples=17, start_time=day - timedelta(hours=3), end_time=day - timedelta(hours=2))
+    idle = usage("403", 9000.0, 80.0, [80.0, 0.0])
+    idle["detail"][1]["peak_mem_mib"] = 3.0
+    insert(url, jobs, [earlier, idle, usage("401", 9000.0, 80.0, [80.0])], [sub])
+    return url
+
+
+def test_advice_is_not_called_a_change(odd_history: str) -> None:
+    [s] = json.loads(seff(odd_history, "401", "--json").output)
+    assert s["partition"] == "gpu-small"
+    assert s["decision"] == ("advised, not applied (advise mode): would have changed partition gpu-small -> gpu; "
+                             "the job ran as written (model decider; rules: a100 is not in gpu-small)")
+    assert "slurmgpu: changed it" not in seff(odd_history, "401").output
+
+
+def test_a_requeued_job_is_not_mixed_with_its_earlier_attempt(odd_history: str) -> None:
+    [s] = json.loads(seff(odd_history, "402", "--json").output)
+    assert (s["state"], s["elapsed_s"], s["source"], s["gpus"], s["peak_mib"]) == ("PENDING", 0, None, [], None)
+    assert any(m.startswith("collector figures of an earlier attempt: the job was requeued") and "not started" in m
+               for m in s["missing"]), s["missing"]
+
+
+def test_an_idle_gpu_is_never_called_a_fit(odd_history: str) -> None:
+    [s] = json.loads(seff(odd_history, "403", "--json").output)
+    assert (s["idle_gpus"], s["alerts"]) == (1, [])
+    assert s["advice"] == ["none: 1 of 2 GPU(s) sat idle, but the job ran 00:05:00, under the 10-minute floor below "
+                           "which idle GPUs are not flagged (test runs, crashes at start-up)"]
+    assert "the GPUs fit the job" not in seff(odd_history, "403").output
