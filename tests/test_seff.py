@@ -121,9 +121,17 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     out = subprocess.run([str(BIN / "gsbatch"), "--parsable", str(script)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, check=True)
     decided = out.stdout.strip().split(";")[0]
+    advise = tmp_path / "advise.toml"  # the same policy in advise mode: decided and recorded, run as written
+    advise.write_text(sample_config.read_text().replace('mode = "rewrite"', 'mode = "advise"', 1))
+    constrained = tmp_path / "c.sh"  # the rules write the type the constraint names into --gres
+    constrained.write_text("#!/bin/bash\n#SBATCH -p gpu --gres=gpu:1 --constraint=v100 -t 1\nsleep 2\n")
+    out = subprocess.run([str(BIN / "gsbatch"), "--parsable", str(constrained)], capture_output=True, text=True,
+                         cwd=tmp_path, env={**env, "SLURMGPU_CONFIG": str(advise)}, check=True)
+    advised = out.stdout.strip().split(";")[0]
+    ids = [plain, decided, advised]
     deadline = time.monotonic() + 240
-    while not all(states([plain, decided]).get(j) in FINAL for j in (plain, decided)):
-        assert time.monotonic() < deadline, states([plain, decided])
+    while not all(states(ids).get(j) in FINAL for j in ids):
+        assert time.monotonic() < deadline, states(ids)
         time.sleep(2)
     time.sleep(2)  # sacct's record of the last job lags its state a little
     url = f"sqlite:///{tmp_path / 'h.db'}"
@@ -132,9 +140,9 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     res = subprocess.run([str(BIN / "slurmgpu"), "--db", url, "ingest", "--cluster", "slurmgpu", "--since", since],
                          capture_output=True, text=True, env={**os.environ, **env}, check=False, timeout=120)
     assert res.returncode == 0, res.stderr
-    res = slurmgpu("--config", str(sample_config), "seff", plain, decided, "--json", db=url)
+    res = slurmgpu("--config", str(sample_config), "seff", plain, decided, advised, "--json", db=url)
     assert res.returncode == 0, res.stderr
-    first, second = json.loads(res.stdout)
+    first, second, third = json.loads(res.stdout)
     assert (first["job_id"], first["gpu_type"], first["gpu_count"], first["state"]) == (plain, "t4", 2, "COMPLETED")
     assert first["gpu_hours"] == pytest.approx(2 * first["elapsed_s"] / 3600, abs=1e-4) and first["elapsed_s"] >= 3
     assert first["source"] is None and first["asked"] is None  # no collector here; plain sbatch: no record
@@ -144,6 +152,9 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     assert second["decision"].startswith("changed it: partition gpu-small -> gpu")
     text = slurmgpu("--config", str(sample_config), "seff", decided, db=url).stdout
     assert f"Job ID: {decided}" in text and "slurmgpu: changed it: partition gpu-small -> gpu" in text
+    assert third["decision"].startswith("advised, not applied (advise mode): would have changed "), third["decision"]
+    assert "; the job ran as written (rules decider" in third["decision"]
+    assert "slurmgpu: changed it" not in slurmgpu("--config", str(sample_config), "seff", advised, db=url).stdout
 
 
 # --- what seff says must be true of the job it describes ---------------------------------------
