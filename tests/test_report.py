@@ -437,7 +437,8 @@ def test_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path: Path) -> 
         narrow = CliRunner(env={"COLUMNS": columns}).invoke(main, args)
         assert narrow.exit_code == 0, narrow.output
         assert max(len(line) for line in narrow.output.splitlines()) <= int(columns), narrow.output
-        assert "GiB/GPU asked" not in narrow.output and "--wide shows them all" in narrow.output
+        assert "--wide shows them all" in narrow.output
+        assert ("GiB/GPU asked" in narrow.output) == (columns == "100")  # the wider terminal shows more
     wide = CliRunner(env={"COLUMNS": "80"}).invoke(main, [*args, "--wide"])
     assert wide.exit_code == 0, wide.output
     assert "GiB/GPU asked" in wide.output and "example job" in wide.output and "--wide shows" not in wide.output
@@ -535,3 +536,22 @@ def test_gpu_oom_count_on_the_demo_history_matches_its_alerts(demo_history: tupl
     assert by_kind.get("gpu_oom", 0) > 0
     totals = built.totals()
     assert (totals["gpu_ooms"], totals["ooms"]) == (by_kind["gpu_oom"], by_kind["gpu_oom"] + by_kind.get("host_oom", 0))
+
+
+def test_jobs_table_is_sized_to_the_terminal(tmp_path: Path) -> None:
+    """`slurmgpu jobs` at 80, 120 and 250 columns: as many columns as fit, `user` kept at 80,
+    every column once there is room, and no line wider than the terminal."""
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    small_history(url)
+    header = ("job", "user", "partition", "state", "GPUs", "elapsed", "peak GiB/GPU", "max util %")
+    shown = {}
+    for columns in (80, 120, 250):
+        res = CliRunner(env={"COLUMNS": str(columns)}).invoke(main, ["--db", url, "jobs"])
+        assert res.exit_code == 0, res.output
+        assert max(len(line) for line in res.output.splitlines()) <= columns, res.output
+        head = next(line for line in res.output.splitlines() if line.startswith("┃"))
+        shown[columns] = [h for h in header if f" {h} " in head]
+        assert ("--wide shows them all" in res.output) == (len(shown[columns]) < len(header))
+    assert "user" in shown[80] and 5 <= len(shown[80]) < len(header)
+    assert shown[120] == shown[250] == list(header)

@@ -93,17 +93,16 @@ def _ratio(used: int, asked: int) -> str:
 
 TEXT_COLUMNS = {"GPU type", "user", "account", "change", "alert", "example job", "detail", "fix"}
 
-# What a terminal of 80 columns shows of each table; --wide shows every column.
-NARROW = {
-    "GPU types": ("GPU type", "jobs", "GPU-h", "idle GPU-h", "memory used"),
-    "Users and accounts": ("user", "account", "jobs", "GPU-h", "idle GPU-h", "memory used", "OOMs", "changed"),
-    "Changes by slurmgpu": ("change", "jobs", "users", "GPU-h saved"),
-    "Advised, not applied": ("change", "jobs", "users", "GPU-h saved"),
-    "Alerts": ("user", "alert", "jobs", "wasted GPU-h", "fix"),
-    "Jobs": ("job", "state", "GPUs", "elapsed", "peak GiB/GPU"),
+# The columns each table keeps longest when the terminal is too narrow for all of them, in that
+# order; the table's other columns go first, from its right end.
+KEEP_FIRST = {
+    "GPU types": ("GPU type", "GPU-h", "idle GPU-h", "memory used", "jobs"),
+    "Users and accounts": ("user", "GPU-h", "idle GPU-h", "memory used", "OOMs", "account", "jobs", "changed"),
+    "Changes by slurmgpu": ("change", "jobs", "GPU-h saved", "users"),
+    "Advised, not applied": ("change", "jobs", "GPU-h saved", "users"),
+    "Alerts": ("user", "alert", "fix", "wasted GPU-h", "jobs"),
+    "Jobs": ("job", "user", "state", "GPUs", "elapsed", "peak GiB/GPU"),
 }
-WIDE_ENOUGH = 200  # a terminal this wide shows every column
-
 
 
 def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[str, ...]]]]:
@@ -135,12 +134,41 @@ def alert_rows(rows: Sequence[AlertRow]) -> tuple[tuple[str, ...], list[tuple[st
          a.example_job, a.detail, a.fix) for a in rows])
 
 
-def narrowed(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]],
-             wide: bool) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    """The table's columns a narrow terminal shows (all of them when wide)."""
-    keep = header if wide else NARROW.get(title, header)
-    index = [header.index(h) for h in keep]
-    return keep, [tuple(row[i] for i in index) for row in rows]
+def _table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], keep: list[int], wide: bool) -> Any:
+    """The rich table of the columns ``keep``: text columns wrap at spaces, figures and ids never."""
+    from rich.table import Table
+    from rich.text import Text as RichText
+
+    table = Table(title=title)
+    for i in keep:
+        text = header[i] in TEXT_COLUMNS
+        table.add_column(header[i], justify="left" if text else "right", overflow="fold", no_wrap=wide or not text)
+    for row in rows:
+        table.add_row(*(RichText(row[i]) for i in keep))  # names are data, never rich markup
+    return table
+
+
+def fitted(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], console: Any) -> list[int]:
+    """The columns that fit the console: each needs what rich measures of its cells and header
+    (all of a figure or id, which never wraps; the longest word of a text column, which rich wraps
+    at spaces), plus padding and a border. Columns go from the right, those KEEP_FIRST does not
+    name first, then those it names from its last."""
+    from rich.measure import Measurement
+    from rich.text import Text as RichText
+
+    unbounded = console.options.update_width(1 << 20)
+
+    def need(i: int) -> int:
+        sizes = [Measurement.get(console, unbounded, RichText(cell)) for cell in (header[i], *(r[i] for r in rows))]
+        return 3 + max(m.minimum if header[i] in TEXT_COLUMNS else m.maximum for m in sizes)
+
+    first = [header.index(h) for h in KEEP_FIRST.get(title, ()) if h in header]
+    order = first + [i for i in range(len(header)) if i not in first]  # the last one goes first
+    widths = {i: need(i) for i in range(len(header))}
+    keep = list(range(len(header)))
+    while len(keep) > 1 and 1 + sum(widths[i] for i in keep) > console.width:
+        keep.remove(max(keep, key=order.index))
+    return keep
 
 
 def terminal_width() -> int:
@@ -152,19 +180,10 @@ def terminal_width() -> int:
 
 def print_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], console: Any,
                 wide: bool) -> bool:
-    """One table; True when columns were left out."""
-    from rich.table import Table
-    from rich.text import Text as RichText
-
-    shown, cells = narrowed(title, header, rows, wide)
-    table = Table(title=title)
-    for name in shown:
-        table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right",
-                         overflow="fold", no_wrap=wide)
-    for row in cells:
-        table.add_row(*(RichText(cell) for cell in row))  # names are data, never rich markup
-    console.print(table)
-    return bool(rows) and len(shown) < len(header)
+    """One table sized to the terminal (every column when wide); True when columns were left out."""
+    keep = list(range(len(header))) if wide else fitted(title, header, rows, console)
+    console.print(_table(title, header, rows, keep, wide))
+    return bool(rows) and len(keep) < len(header)
 
 
 def console_for(wide: bool) -> Any:
