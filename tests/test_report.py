@@ -130,12 +130,14 @@ def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
     assert list(types) == ["a100", "v100", "t4"]  # by GPU-hours, ties in first-seen order
     a100_share = (2 * 0.5 + 2 * 100 / 81920) / 4
     assert types["a100"] == pytest.approx({"gpu_type": "a100", "jobs": 2, "gpu_hours": 4.0, "measured_gpu_hours": 4.0,
-                                           "mem_used_share": a100_share, "idle_gpu_hours": 2.0}, abs=1e-4)
+                                           "mem_used_share": a100_share, "idle_gpu_hours": 2.0, "mem_asked_gib": 80.0,
+                                           "mem_used_gib": (2 * 40 + 2 * 100 / 1024) / 4}, abs=1e-4)
     # job 103's sacct peak (40000 MiB) is capped at the 32 GiB card: share 1.0 for 2 GPU-h, 0.5 for 2 GPU-h.
     assert types["v100"] == pytest.approx({"gpu_type": "v100", "jobs": 2, "gpu_hours": 4.0, "measured_gpu_hours": 4.0,
-                                           "mem_used_share": 0.75, "idle_gpu_hours": 0.0}, abs=1e-4)
+                                           "mem_used_share": 0.75, "idle_gpu_hours": 0.0, "mem_asked_gib": 32.0,
+                                           "mem_used_gib": 24.0}, abs=1e-4)
     assert types["t4"] == {"gpu_type": "t4", "jobs": 1, "gpu_hours": 1.0, "measured_gpu_hours": 0.0,
-                           "mem_used_share": None, "idle_gpu_hours": 0.0}
+                           "mem_used_share": None, "idle_gpu_hours": 0.0, "mem_asked_gib": None, "mem_used_gib": None}
     users = {(u["user"], u["account"]): u for u in data["users"]}
     assert list(users) == [("alice", "ml"), ("bob", "phys"), ("carol", "ml")]
     assert users["alice", "ml"] == pytest.approx({
@@ -396,7 +398,12 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     dom = _browser(chromium, tmp_path / "profile", "--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
-    assert html.count("<table>") == 4 and html.count("<svg") == 3
+    assert html.count("<table>") == 4 and html.count("<svg") == 5
+    assert _clipped_labels(html) == []
+    memory = html[html.index("GPU memory per GPU by type"):html.index("GPU memory per GPU by user")]
+    assert re.search(r'class="value">[\d.,]+ of 80 GiB</text>', memory), memory[:2000]  # a100: used of allocated
+    users = html[html.index("GPU memory per GPU by user"):html.index("<h2>GPU types</h2>")]
+    assert ">gus (chem)</text>" in users and users.count('class="value"') == 12
     assert len(re.findall(r"<rect ", html)) > 60
     for heading in ("GPU types", "Users and accounts", "Changes by slurmgpu", "Alerts", "How the numbers are made"):
         assert f"<h2>{heading}</h2>" in html
@@ -426,6 +433,33 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert painted.get((0x3B, 0x6F, 0xB6), 0) > 5000 and painted.get((0xC8, 0xCD, 0xD4), 0) > 2000
     if os.environ.get("SLURMGPU_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "report.png")
+
+
+def _clipped_labels(html: str) -> list[str]:
+    """The chart texts that reach past their SVG's viewBox, measured in the page's own font
+    (DejaVu Sans at the template's sizes: 12 px, 11 px for values and axes)."""
+    from PIL import ImageFont
+
+    fonts = {px: ImageFont.truetype("DejaVuSans.ttf", px) for px in (11, 12)}
+    out = []
+    for width, body in re.findall(r'<svg[^>]*viewBox="0 0 ([\d.]+) [\d.]+"[^>]*>(.*?)</svg>', html, re.S):
+        for x, anchor, css, text in re.findall(r'<text x="([\d.-]+)" y="[\d.-]+" text-anchor="(\w+)"'
+                                               r'(?: class="(\w+)")?>([^<]*)</text>', body):
+            size = fonts[11 if css else 12].getlength(text.replace("&amp;", "&"))
+            start = float(x) - {"start": 0, "middle": size / 2, "end": size}[anchor]
+            if start < 0 or start + size > float(width):
+                out.append(text)
+    return out
+
+
+def test_chart_labels_are_never_clipped() -> None:
+    """Big totals and long names: the bars make room for their labels in the page's font."""
+    rows = [("a-very-long-user-name (an-account)", [(123456.0, "#000", "")]), ("b", [(20000.0, "#000", "")])]
+    chart = render.bar_chart("t", rows, "GPU-h", [])
+    svg = (f'<svg viewBox="0 0 {chart.width} {chart.height}">' + "".join(
+        f'<text x="{t.x:.1f}" y="{t.y:.1f}" text-anchor="{t.anchor}"' + (f' class="{t.css}"' if t.css else "")
+        + f">{t.text}</text>" for t in chart.texts) + "</svg>")
+    assert "123,456 GPU-h" in svg and _clipped_labels(svg) == []
 
 
 def test_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path: Path) -> None:
@@ -519,7 +553,8 @@ def test_gpu_ooms_have_one_definition_in_headline_tables_and_alerts(tmp_path: Pa
     assert "3 OOMs (2 GPU)" in render.headline(report.build(jobs, load_config(str(SAMPLE_CONFIG)), SINCE, UNTIL))
     page = run_report(url, "--html", str(tmp_path / "r.html"))
     assert page.exit_code == 0, page.output
-    assert "3 (2 GPU, 1 host memory)" in (tmp_path / "r.html").read_text()
+    assert re.search(r'<div class="v">3</div><div class="k">OOM jobs \(2 GPU, 1 host memory\)</div>',
+                     (tmp_path / "r.html").read_text())
 
 
 def test_gpu_oom_count_on_the_demo_history_matches_its_alerts(demo_history: tuple[Any, Any, str]) -> None:  # noqa: F811

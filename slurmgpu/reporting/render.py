@@ -271,23 +271,46 @@ class Chart(NamedTuple):
 
 
 
+CHAR_EM = 0.64  # the widest digit or letter of the page's font (DejaVu Sans), in ems: labels never clip
+LABEL_PX, VALUE_PX = 12, 11  # svg text and svg text.value in the template's CSS
+
+
+def text_width(text: str, px: int) -> float:
+    return len(text) * CHAR_EM * px
+
+
 def bar_chart(title: str, rows: Sequence[tuple[str, Sequence[tuple[float, str, str]]]], unit: str,
-              legend: list[tuple[str, str]]) -> Chart:
-    """Horizontal stacked bars: one row per label, segments of (value, colour, tooltip)."""
-    width, left, right, row_h = 560, 150, 80, 26
+              legend: list[tuple[str, str]], values: Sequence[str] | None = None) -> Chart:
+    """Horizontal stacked bars: one row per label, segments of (value, colour, tooltip), each row's
+    total (or ``values``) after its bar; the margins are as wide as the longest labels."""
+    labels = [label[:22] for label, _ in rows]
+    values = list(values) if values is not None else [f"{sum(v for v, _, _ in segs):,.0f} {unit}"
+                                                      for _, segs in rows]
+    width, row_h = 560, 26
+    left = 8 + max((text_width(x, LABEL_PX) for x in labels), default=0.0) + 8
+    right = 6 + max((text_width(x, VALUE_PX) for x in values), default=0.0) + 4
     height = 10 + row_h * max(len(rows), 1)
     top = max((sum(v for v, _, _ in segs) for _, segs in rows), default=0.0) or 1.0
-    scale = (width - left - right) / top
+    scale = max(width - left - right, 40.0) / top
     rects, texts = [], []
-    for i, (label, segs) in enumerate(rows):
-        y, x = 8 + i * row_h, float(left)
-        texts.append(Text(left - 8, y + 15, label[:22], "end"))
+    for i, ((_, segs), label, value_text) in enumerate(zip(rows, labels, values, strict=True)):
+        y, x = 8 + i * row_h, left
+        texts.append(Text(left - 8, y + 15, label, "end"))
         for value, color, tip in segs:
             rects.append(Rect(x, y, max(value * scale, 0.0), row_h - 8, color, tip))
             x += max(value * scale, 0.0)
-        texts.append(Text(x + 6, y + 15, f"{sum(v for v, _, _ in segs):,.0f} {unit}", css="value"))
-    return Chart(title, width, height, rects, texts, [], legend)
+        texts.append(Text(x + 6, y + 15, value_text, css="value"))
+    return Chart(title, int(max(width, left + right + 40)), height, rects, texts, [], legend)
 
+
+def memory_chart(title: str, rows: Sequence[tuple[str, float | None, float | None, str]]) -> Chart:
+    """Per row (label, GiB per GPU allocated, GiB used at peak, colour): the used part coloured,
+    the rest of the card grey; rows without measurements are left out."""
+    shown = [(label, asked, used, color) for label, asked, used, color in rows if asked and used is not None]
+    return bar_chart(title, [(label, [(used, color, f"{label}: {used:,.1f} GiB used at peak"),
+                                      (asked - used, IDLE_COLOR, f"{label}: {asked - used:,.1f} GiB never used")])
+                             for label, asked, used, color in shown], "GiB", [("not used", IDLE_COLOR)],
+                     [f"{used:,.1f} of {asked:,.0f} GiB" for _, asked, used, _ in shown])
 
 
 def axis_scale(value: float) -> tuple[float, int]:
@@ -340,7 +363,12 @@ def charts(report: Report) -> list[Chart]:
     idle_legend = [("busy", USER_COLOR), ("idle", IDLE_COLOR)]
     return [daily_chart(report, colors),
             bar_chart("Allocated GPU-hours by type (grey: idle)", per_type, "GPU-h", [("idle", IDLE_COLOR)]),
-            bar_chart("Top users by GPU-hours", top_users, "GPU-h", idle_legend)]
+            bar_chart("Top users by GPU-hours", top_users, "GPU-h", idle_legend),
+            memory_chart("GPU memory per GPU by type: peak used of allocated",
+                         [(t.gpu_type, t.mem_asked_gib, t.mem_used_gib, colors[t.gpu_type]) for t in report.types]),
+            memory_chart("GPU memory per GPU by user: peak used of allocated",
+                         [(f"{u.user} ({u.account})", u.mem_asked_gib, u.mem_used_gib, USER_COLOR)
+                          for u in report.users[:12]])]
 
 
 
@@ -357,7 +385,7 @@ def to_html(report: Report, generated: datetime) -> str:
              ("idle GPU-hours", f"{_num(t['idle_gpu_hours'], 0)} ({_pct(t['idle_gpu_hours'] / t['gpu_hours'])})"
               if t["gpu_hours"] else "-"),
              ("GPU memory used", _pct(t["mem_used_share"])),
-             ("OOM jobs", f"{t['ooms']} ({t['gpu_ooms']} GPU, {t['ooms'] - t['gpu_ooms']} host memory)"),
+             (f"OOM jobs ({t['gpu_ooms']} GPU, {t['ooms'] - t['gpu_ooms']} host memory)", str(t["ooms"])),
              ("changed by slurmgpu", str(t["changed"])), ("GPU-hours saved (est.)", _num(t["gpu_hours_saved"], 0)),
              ("queue hours saved (est.)", _num(t["queue_hours_saved"]))]
     if t["advised"]:

@@ -52,6 +52,8 @@ class TypeRow(NamedTuple):
     measured_gpu_hours: float
     mem_used_share: float | None
     idle_gpu_hours: float
+    mem_asked_gib: float | None = None  # as UserRow's: card and peak memory per GPU, GPU-hour weighted
+    mem_used_gib: float | None = None
 
 
 class UserRow(NamedTuple):
@@ -236,9 +238,9 @@ def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until:
         daily[j.end_time.date()][j.gpu_type] += j.gpu_hours
     types = []
     for name, group in by_type.items():
-        measured, share, _, _ = _mem(group, config)
+        measured, share, asked, used = _mem(group, config)
         types.append(TypeRow(name, len(group), sum(j.gpu_hours for j in group), measured, share,
-                             sum(j.gpu_hours for j in group if j.idle)))
+                             sum(j.gpu_hours for j in group if j.idle), asked, used))
     users = []
     for (name, account), group in by_user.items():
         _, share, asked, used = _mem(group, config)
