@@ -19,6 +19,7 @@ UNTYPED = "untyped"
 # attempt of a requeued job (sacct keeps the latest attempt only); the slack absorbs the prolog's
 # delay and clock differences between the nodes and slurmctld.
 ATTEMPT_SLACK = timedelta(seconds=60)
+NOT_STARTED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})  # the latest attempt has not run
 
 
 class JobUse(NamedTuple):
@@ -113,11 +114,15 @@ def this_attempt(job: Any, hosts: list[Any]) -> tuple[list[Any], list[Any]]:
 
     A requeued job keeps one id: sacct reports its latest attempt while the collector's records of
     an earlier one stay in the store. Mixing them would put one attempt's samples beside another's
-    state and run time. A record without a start time is kept (nothing tells it apart)."""
+    state and run time. A record without a start time, or a job without times that has run, keeps
+    its records (nothing tells them apart)."""
     start = job.start_time
+    if start is None and job.end_time is not None and job.elapsed_s is not None:
+        start = job.end_time - timedelta(seconds=job.elapsed_s)  # a history imported without Start
     kept, earlier = [], []
     for h in hosts:
-        if h.start_time is not None and (start is None or h.start_time < start - ATTEMPT_SLACK):
+        if h.start_time is not None and (h.start_time < start - ATTEMPT_SLACK if start is not None
+                                         else job.state in NOT_STARTED):
             earlier.append(h)
         else:
             kept.append(h)
