@@ -63,6 +63,17 @@ def test_out_of_memory_gpu_and_host() -> None:
     assert [k for k, _ in kinds(use(state="OUT_OF_MEMORY"))] == ["host_oom"]
 
 
+def test_gpu_oom_against_the_usable_memory_and_the_collectors_record() -> None:
+    """A T4's NVML total is 15,360 MiB: a 15,000 MiB peak is 97.7% of it, 91.6% of the nominal 16 GiB."""
+    t4 = use(state="FAILED", gpu_type="t4", partition="gpu-small", peak_mib=15000.0, mean_util=90.0)
+    assert kinds(t4) == []  # the nominal size alone cannot tell
+    assert [k for k, _ in kinds(t4._replace(usable_mib=15360.0))] == ["gpu_oom"]
+    said = use(state="TIMEOUT", peak_mib=2000.0, gpu_oom="pytorch")  # another rank hung after one ran out
+    assert [a.detail for a in alerts.job_alerts(said, CONFIG)] == [
+        "pytorch reported CUDA out of memory; peak 2.0 GiB of the card's 80.0 GiB"]
+    assert kinds(said._replace(state="COMPLETED")) == []  # caught it and finished
+
+
 def test_over_requested_count_from_the_recorded_decision() -> None:
     cands = [{"gpu_type": "a100", "gpus": n, "fits": True, "pred_runtime_s": t, "expected_wait_s": 0.0}
              for n, t in ((4, 1000.0), (2, 1200.0), (1, 2600.0))]

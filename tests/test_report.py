@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from test_alerts import demo_history  # noqa: F401 - the demo generator's history, ingested
 
 from slurmgpu.cli.main import main
 from slurmgpu.cli.report import report_cmd
@@ -78,7 +79,8 @@ def insert(url: str, jobs: list[dict[str, Any]], usages: list[dict[str, Any]], s
     with engine.begin() as conn:
         conn.execute(Job.__table__.insert(), [dict.fromkeys(keys) | j for j in jobs])
         if usages:
-            conn.execute(GpuUsage.__table__.insert(), usages)
+            columns = {k for u in usages for k in u}
+            conn.execute(GpuUsage.__table__.insert(), [dict.fromkeys(columns) | u for u in usages])
         if subs:
             conn.execute(Submission.__table__.insert(), subs)
     engine.dispose()
@@ -128,28 +130,30 @@ def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
     assert list(types) == ["a100", "v100", "t4"]  # by GPU-hours, ties in first-seen order
     a100_share = (2 * 0.5 + 2 * 100 / 81920) / 4
     assert types["a100"] == pytest.approx({"gpu_type": "a100", "jobs": 2, "gpu_hours": 4.0, "measured_gpu_hours": 4.0,
-                                           "mem_used_share": a100_share, "idle_gpu_hours": 2.0}, abs=1e-4)
+                                           "mem_used_share": a100_share, "idle_gpu_hours": 2.0, "mem_asked_gib": 80.0,
+                                           "mem_used_gib": (2 * 40 + 2 * 100 / 1024) / 4}, abs=1e-4)
     # job 103's sacct peak (40000 MiB) is capped at the 32 GiB card: share 1.0 for 2 GPU-h, 0.5 for 2 GPU-h.
     assert types["v100"] == pytest.approx({"gpu_type": "v100", "jobs": 2, "gpu_hours": 4.0, "measured_gpu_hours": 4.0,
-                                           "mem_used_share": 0.75, "idle_gpu_hours": 0.0}, abs=1e-4)
+                                           "mem_used_share": 0.75, "idle_gpu_hours": 0.0, "mem_asked_gib": 32.0,
+                                           "mem_used_gib": 24.0}, abs=1e-4)
     assert types["t4"] == {"gpu_type": "t4", "jobs": 1, "gpu_hours": 1.0, "measured_gpu_hours": 0.0,
-                           "mem_used_share": None, "idle_gpu_hours": 0.0}
+                           "mem_used_share": None, "idle_gpu_hours": 0.0, "mem_asked_gib": None, "mem_used_gib": None}
     users = {(u["user"], u["account"]): u for u in data["users"]}
     assert list(users) == [("alice", "ml"), ("bob", "phys"), ("carol", "ml")]
     assert users["alice", "ml"] == pytest.approx({
         "user": "alice", "account": "ml", "jobs": 2, "gpu_hours": 4.0, "idle_gpu_hours": 2.0,
         "mem_asked_gib": 80.0, "mem_used_gib": (2 * 40 + 2 * 100 / 1024) / 4, "mem_used_share": a100_share,
-        "gpus_asked": 3, "gpus_busy": 1, "ooms": 0, "changed": 0, "gpu_hours_saved": 0.0,
+        "gpus_asked": 3, "gpus_busy": 1, "ooms": 0, "gpu_ooms": 0, "changed": 0, "gpu_hours_saved": 0.0,
         "queue_hours_saved": None}, abs=1e-4)
     # (8 - 4 GPUs) x 0.5 h = 2 GPU-h; queue: 1800 s expected as asked (v100 x 8), 0 s as decided = 0.5 h.
     assert users["bob", "phys"] == pytest.approx({
         "user": "bob", "account": "phys", "jobs": 2, "gpu_hours": 3.0, "idle_gpu_hours": 0.0,
         "mem_asked_gib": 32.0, "mem_used_gib": 32.0, "mem_used_share": 1.0, "gpus_asked": 0, "gpus_busy": 0,
-        "ooms": 1, "changed": 2, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5}, abs=1e-4)
+        "ooms": 1, "gpu_ooms": 0, "changed": 2, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5}, abs=1e-4)
     assert users["carol", "ml"] == pytest.approx({
         "user": "carol", "account": "ml", "jobs": 1, "gpu_hours": 2.0, "idle_gpu_hours": 0.0,
         "mem_asked_gib": 32.0, "mem_used_gib": 16.0, "mem_used_share": 0.5, "gpus_asked": 2, "gpus_busy": 2,
-        "ooms": 0, "changed": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None}, abs=1e-4)
+        "ooms": 0, "gpu_ooms": 0, "changed": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None}, abs=1e-4)
     assert data["changes"] == [
         {"change": "4 -> 2 GPUs", "jobs": 1, "users": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": None},
         {"change": "8 -> 4 GPUs", "jobs": 1, "users": 1, "gpu_hours_saved": 2.0, "queue_hours_saved": 0.5},
@@ -158,7 +162,7 @@ def test_report_numbers_match_hand_computed_values(db_url: str) -> None:
     ]
     assert data["totals"] == pytest.approx({
         "jobs": 5, "gpu_hours": 9.0, "idle_gpu_hours": 2.0, "mem_used_share": (4 * a100_share + 4 * 0.75) / 8,
-        "ooms": 1, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5,
+        "ooms": 1, "gpu_ooms": 0, "changed": 3, "gpu_hours_saved": 4.0, "queue_hours_saved": 0.5,
         "advised": 0, "advised_gpu_hours": 0.0, "advised_queue_hours": None}, abs=1e-4)
     assert data["advised"] == []
     assert {(d["date"], d["gpu_type"]): d["gpu_hours"] for d in data["daily"]} == {
@@ -394,7 +398,12 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     dom = _browser(chromium, tmp_path / "profile", "--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
-    assert html.count("<table>") == 4 and html.count("<svg") == 3
+    assert html.count("<table>") == 4 and html.count("<svg") == 5
+    assert _clipped_labels(html) == []
+    memory = html[html.index("GPU memory per GPU by type"):html.index("GPU memory per GPU by user")]
+    assert re.search(r'class="value">[\d.,]+ of 80 GiB</text>', memory), memory[:2000]  # a100: used of allocated
+    users = html[html.index("GPU memory per GPU by user"):html.index("<h2>GPU types</h2>")]
+    assert ">gus (chem)</text>" in users and users.count('class="value"') == 12
     assert len(re.findall(r"<rect ", html)) > 60
     for heading in ("GPU types", "Users and accounts", "Changes by slurmgpu", "Alerts", "How the numbers are made"):
         assert f"<h2>{heading}</h2>" in html
@@ -426,6 +435,33 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
         shutil.copyfile(shot, ROOT / "docs" / "report.png")
 
 
+def _clipped_labels(html: str) -> list[str]:
+    """The chart texts that reach past their SVG's viewBox, measured in the page's own font
+    (DejaVu Sans at the template's sizes: 12 px, 11 px for values and axes)."""
+    from PIL import ImageFont
+
+    fonts = {px: ImageFont.truetype("DejaVuSans.ttf", px) for px in (11, 12)}
+    out = []
+    for width, body in re.findall(r'<svg[^>]*viewBox="0 0 ([\d.]+) [\d.]+"[^>]*>(.*?)</svg>', html, re.S):
+        for x, anchor, css, text in re.findall(r'<text x="([\d.-]+)" y="[\d.-]+" text-anchor="(\w+)"'
+                                               r'(?: class="(\w+)")?>([^<]*)</text>', body):
+            size = fonts[11 if css else 12].getlength(text.replace("&amp;", "&"))
+            start = float(x) - {"start": 0, "middle": size / 2, "end": size}[anchor]
+            if start < 0 or start + size > float(width):
+                out.append(text)
+    return out
+
+
+def test_chart_labels_are_never_clipped() -> None:
+    """Big totals and long names: the bars make room for their labels in the page's font."""
+    rows = [("a-very-long-user-name (an-account)", [(123456.0, "#000", "")]), ("b", [(20000.0, "#000", "")])]
+    chart = render.bar_chart("t", rows, "GPU-h", [])
+    svg = (f'<svg viewBox="0 0 {chart.width} {chart.height}">' + "".join(
+        f'<text x="{t.x:.1f}" y="{t.y:.1f}" text-anchor="{t.anchor}"' + (f' class="{t.css}"' if t.css else "")
+        + f">{t.text}</text>" for t in chart.texts) + "</svg>")
+    assert "123,456 GPU-h" in svg and _clipped_labels(svg) == []
+
+
 def test_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)
@@ -435,7 +471,8 @@ def test_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path: Path) -> 
         narrow = CliRunner(env={"COLUMNS": columns}).invoke(main, args)
         assert narrow.exit_code == 0, narrow.output
         assert max(len(line) for line in narrow.output.splitlines()) <= int(columns), narrow.output
-        assert "GiB/GPU asked" not in narrow.output and "--wide shows them all" in narrow.output
+        assert "--wide shows them all" in narrow.output
+        assert ("GiB/GPU asked" in narrow.output) == (columns == "100")  # the wider terminal shows more
     wide = CliRunner(env={"COLUMNS": "80"}).invoke(main, [*args, "--wide"])
     assert wide.exit_code == 0, wide.output
     assert "GiB/GPU asked" in wide.output and "example job" in wide.output and "--wide shows" not in wide.output
@@ -476,3 +513,80 @@ def test_advised_decisions_are_shown_apart_from_applied_ones() -> None:
     assert "advised, not applied" in render.to_html(rep, datetime(2026, 2, 1))
     assert "Advised, not applied" not in render.table_rows(report.build(jobs[2:], None, datetime(2026, 1, 1),
                                                                         datetime(2026, 1, 31)))
+
+
+def oom_history(url: str) -> None:
+    """GPU OOMs the collector saw, against the usable memory NVML reported (a T4: 15,360 MiB, not 16 GiB)."""
+    jobs: list[dict[str, Any]] = []
+    day = datetime(2026, 1, 10)
+    add_job(jobs, "301", "tess", "ml", "t4", 1, 3600, day, state="FAILED", partition="gpu-small")
+    add_job(jobs, "302", "tess", "ml", "v100", 2, 3600, day, state="TIMEOUT", partition="gpu")
+    add_job(jobs, "303", "tess", "ml", "a100", 1, 3600, day, partition="gpu")  # caught its OOM and finished
+    add_job(jobs, "304", "tess", "ml", "v100", 1, 3600, day, state="OUT_OF_MEMORY", partition="gpu")  # host memory
+    add_job(jobs, "305", "tess", "ml", "a100", 1, 3600, day, state="FAILED", partition="gpu")  # another error
+    t4 = usage("301", 15000.0, 90.0, [90.0])  # 97.7% of 15,360 MiB; 91.6% of the nominal 16 GiB
+    t4["detail"][0]["memory_total_mib"] = 15360.0
+    said = usage("302", 20000.0, 90.0, [90.0, 90.0])
+    said["gpu_oom"], said["gpu_oom_line"] = "pytorch", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    caught = usage("303", 81000.0, 90.0, [90.0])
+    caught["gpu_oom"] = "pytorch"
+    insert(url, jobs, [t4, said, caught, usage("305", 1000.0, 90.0, [90.0])], [])
+
+
+def test_gpu_ooms_have_one_definition_in_headline_tables_and_alerts(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    oom_history(url)
+    data = json.loads(run_report(url, "--format", "json").output)
+    assert (data["totals"]["ooms"], data["totals"]["gpu_ooms"]) == (3, 2)
+    assert [(u["ooms"], u["gpu_ooms"]) for u in data["users"]] == [(3, 2)]
+    oom_alerts = {a["kind"]: a for a in data["alerts"]}
+    assert (oom_alerts["gpu_oom"]["jobs"], oom_alerts["host_oom"]["jobs"]) == (2, 1)
+    jobs = queries.load_jobs(db.make_engine(url), SINCE, UNTIL)
+    from slurmgpu.pipeline.config import load_config
+    from slurmgpu.reporting import alerts
+
+    found = {a.job_id: a for j in jobs for a in alerts.job_alerts(j, load_config(str(SAMPLE_CONFIG)))}
+    assert {k: a.kind for k, a in found.items()} == {"301": "gpu_oom", "302": "gpu_oom", "304": "host_oom"}
+    assert found["301"].detail == "peak 14.6 GiB of the card's 15.0 GiB"
+    assert found["302"].detail.startswith("pytorch reported CUDA out of memory; peak 19.5 GiB of the card's 32.0 GiB")
+    assert "3 OOMs (2 GPU)" in render.headline(report.build(jobs, load_config(str(SAMPLE_CONFIG)), SINCE, UNTIL))
+    page = run_report(url, "--html", str(tmp_path / "r.html"))
+    assert page.exit_code == 0, page.output
+    assert re.search(r'<div class="v">3</div><div class="k">OOM jobs \(2 GPU, 1 host memory\)</div>',
+                     (tmp_path / "r.html").read_text())
+
+
+def test_gpu_oom_count_on_the_demo_history_matches_its_alerts(demo_history: tuple[Any, Any, str]) -> None:  # noqa: F811
+    """The demo's history: the headline's OOM count is its own alerts' GPU and host OOM jobs."""
+    from slurmgpu.pipeline.config import load_config
+
+    hist, engine, _ = demo_history
+    config = load_config(str(SAMPLE_CONFIG))
+    built = report.build(queries.load_jobs(engine, datetime(2000, 1, 1), hist.cut), config, datetime(2000, 1, 1),
+                         hist.cut)
+    by_kind = {r.kind: 0 for r in built.alerts}
+    for r in built.alerts:
+        by_kind[r.kind] += r.jobs
+    assert by_kind.get("gpu_oom", 0) > 0
+    totals = built.totals()
+    assert (totals["gpu_ooms"], totals["ooms"]) == (by_kind["gpu_oom"], by_kind["gpu_oom"] + by_kind.get("host_oom", 0))
+
+
+def test_jobs_table_is_sized_to_the_terminal(tmp_path: Path) -> None:
+    """`slurmgpu jobs` at 80, 120 and 250 columns: as many columns as fit, `user` kept at 80,
+    every column once there is room, and no line wider than the terminal."""
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    small_history(url)
+    header = ("job", "user", "partition", "state", "GPUs", "elapsed", "peak GiB/GPU", "max util %")
+    shown = {}
+    for columns in (80, 120, 250):
+        res = CliRunner(env={"COLUMNS": str(columns)}).invoke(main, ["--db", url, "jobs"])
+        assert res.exit_code == 0, res.output
+        assert max(len(line) for line in res.output.splitlines()) <= columns, res.output
+        head = next(line for line in res.output.splitlines() if line.startswith("┃"))
+        shown[columns] = [h for h in header if f" {h} " in head]
+        assert ("--wide shows them all" in res.output) == (len(shown[columns]) < len(header))
+    assert "user" in shown[80] and 5 <= len(shown[80]) < len(header)
+    assert shown[120] == shown[250] == list(header)

@@ -121,9 +121,17 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     out = subprocess.run([str(BIN / "gsbatch"), "--parsable", str(script)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, check=True)
     decided = out.stdout.strip().split(";")[0]
+    advise = tmp_path / "advise.toml"  # the same policy in advise mode: decided and recorded, run as written
+    advise.write_text(sample_config.read_text().replace('mode = "rewrite"', 'mode = "advise"', 1))
+    constrained = tmp_path / "c.sh"  # the rules write the type the constraint names into --gres
+    constrained.write_text("#!/bin/bash\n#SBATCH -p gpu --gres=gpu:1 --constraint=v100 -t 1\nsleep 2\n")
+    out = subprocess.run([str(BIN / "gsbatch"), "--parsable", str(constrained)], capture_output=True, text=True,
+                         cwd=tmp_path, env={**env, "SLURMGPU_CONFIG": str(advise)}, check=True)
+    advised = out.stdout.strip().split(";")[0]
+    ids = [plain, decided, advised]
     deadline = time.monotonic() + 240
-    while not all(states([plain, decided]).get(j) in FINAL for j in (plain, decided)):
-        assert time.monotonic() < deadline, states([plain, decided])
+    while not all(states(ids).get(j) in FINAL for j in ids):
+        assert time.monotonic() < deadline, states(ids)
         time.sleep(2)
     time.sleep(2)  # sacct's record of the last job lags its state a little
     url = f"sqlite:///{tmp_path / 'h.db'}"
@@ -132,9 +140,9 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     res = subprocess.run([str(BIN / "slurmgpu"), "--db", url, "ingest", "--cluster", "slurmgpu", "--since", since],
                          capture_output=True, text=True, env={**os.environ, **env}, check=False, timeout=120)
     assert res.returncode == 0, res.stderr
-    res = slurmgpu("--config", str(sample_config), "seff", plain, decided, "--json", db=url)
+    res = slurmgpu("--config", str(sample_config), "seff", plain, decided, advised, "--json", db=url)
     assert res.returncode == 0, res.stderr
-    first, second = json.loads(res.stdout)
+    first, second, third = json.loads(res.stdout)
     assert (first["job_id"], first["gpu_type"], first["gpu_count"], first["state"]) == (plain, "t4", 2, "COMPLETED")
     assert first["gpu_hours"] == pytest.approx(2 * first["elapsed_s"] / 3600, abs=1e-4) and first["elapsed_s"] >= 3
     assert first["source"] is None and first["asked"] is None  # no collector here; plain sbatch: no record
@@ -144,3 +152,53 @@ def test_seff_on_real_jobs(tmp_path: Path, sample_config: Path) -> None:
     assert second["decision"].startswith("changed it: partition gpu-small -> gpu")
     text = slurmgpu("--config", str(sample_config), "seff", decided, db=url).stdout
     assert f"Job ID: {decided}" in text and "slurmgpu: changed it: partition gpu-small -> gpu" in text
+    assert third["decision"].startswith("advised, not applied (advise mode): would have changed "), third["decision"]
+    assert "; the job ran as written (rules decider" in third["decision"]
+    assert "slurmgpu: changed it" not in slurmgpu("--config", str(sample_config), "seff", advised, db=url).stdout
+
+
+# --- what seff says must be true of the job it describes ---------------------------------------
+
+@pytest.fixture
+def odd_history(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    jobs: list[dict[str, Any]] = []
+    day = datetime(2026, 1, 10, 12)
+    add_job(jobs, "401", "alice", "ml", "a100", 1, 600, day, partition="gpu-small")  # advised, ran as written
+    add_job(jobs, "402", "alice", "ml", "t4", 2, 0, day, state="PENDING", partition="gpu-small")  # requeued
+    jobs[-1].update(start_time=None, end_time=None)
+    add_job(jobs, "403", "alice", "ml", "t4", 2, 300, day, partition="gpu-small")  # 5 min, second GPU idle
+    sub = submission("401", "alice", {"gpu_type": "a100", "gpus_total": 1, "partition": "gpu-small"},
+                     [{"index": 0, "gpu_type": None, "gpus_total": None, "partition": "gpu"}])
+    sub["decision"].update(mode="advise", advised=True, reasons=["rules: a100 is not in gpu-small"])
+    sub["changed"] = False
+    earlier = usage("402", 9000.0, 80.0, [80.0, 70.0])
+    earlier.update(samples=17, start_time=day - timedelta(hours=3), end_time=day - timedelta(hours=2))
+    idle = usage("403", 9000.0, 80.0, [80.0, 0.0])
+    idle["detail"][1]["peak_mem_mib"] = 3.0
+    insert(url, jobs, [earlier, idle, usage("401", 9000.0, 80.0, [80.0])], [sub])
+    return url
+
+
+def test_advice_is_not_called_a_change(odd_history: str) -> None:
+    [s] = json.loads(seff(odd_history, "401", "--json").output)
+    assert s["partition"] == "gpu-small"
+    assert s["decision"] == ("advised, not applied (advise mode): would have changed partition gpu-small -> gpu; "
+                             "the job ran as written (model decider; rules: a100 is not in gpu-small)")
+    assert "slurmgpu: changed it" not in seff(odd_history, "401").output
+
+
+def test_a_requeued_job_is_not_mixed_with_its_earlier_attempt(odd_history: str) -> None:
+    [s] = json.loads(seff(odd_history, "402", "--json").output)
+    assert (s["state"], s["elapsed_s"], s["source"], s["gpus"], s["peak_mib"]) == ("PENDING", 0, None, [], None)
+    assert any(m.startswith("collector figures of an earlier attempt: the job was requeued") and "not started" in m
+               for m in s["missing"]), s["missing"]
+
+
+def test_an_idle_gpu_is_never_called_a_fit(odd_history: str) -> None:
+    [s] = json.loads(seff(odd_history, "403", "--json").output)
+    assert (s["idle_gpus"], s["alerts"]) == (1, [])
+    assert s["advice"] == ["none: 1 of 2 GPU(s) sat idle, but the job ran 00:05:00, under the 10-minute floor below "
+                           "which idle GPUs are not flagged (test runs, crashes at start-up)"]
+    assert "the GPUs fit the job" not in seff(odd_history, "403").output

@@ -4,6 +4,9 @@ A GPU OOM usually ends a job FAILED with exit code 1, like any other Python erro
 OUT_OF_MEMORY state is the host-memory cgroup. The frameworks print recognisable messages, so the
 epilog (or the ingest) reads the end of the job's stderr and records the outcome the learner needs:
 "needed more GPU memory than the card had".
+
+``ran_out_of_gpu_memory`` is the one definition of a GPU OOM that the learner, the report's
+headline and tables, ``seff`` and the admin alerts all use.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import os
 import re
 import stat
 from typing import NamedTuple
+
+# A failed job whose per-GPU peak reached this share of the card's usable memory ran out of it.
+OOM_SHARE = 0.95
+HOST_OOM_STATE = "OUT_OF_MEMORY"  # Slurm's host-memory cgroup, never the GPU
 
 # The last part of stderr is read: the fatal error is at the end, and logs can be huge.
 TAIL_BYTES = 1 << 20
@@ -72,3 +79,19 @@ def scan_stderr(path: str, tail_bytes: int = TAIL_BYTES, owner: int | None = Non
         return None
     finally:
         os.close(fd)
+
+
+def ran_out_of_gpu_memory(state: str, framework: str | None, peak_mib: float | None,
+                          card_mib: float | None) -> bool:
+    """A GPU OOM: the collector found a framework's message in stderr (whatever sacct's state but
+    COMPLETED: FAILED, or TIMEOUT when the other ranks hung after one ran out; a job that completed
+    caught the error), or the job FAILED with its per-GPU peak at OOM_SHARE of ``card_mib``.
+
+    ``card_mib`` should be the usable memory NVML reports (the collector's ``memory_total_mib``),
+    not the nominal size: a T4 sold as 16 GiB offers about 15 GiB, so a share of 16 GiB misses
+    every T4 OOM. The nominal size (config ``gpu_types``) is the fallback without a record.
+    Slurm's OUT_OF_MEMORY is host memory and is not a GPU OOM by itself."""
+    if framework and state != "COMPLETED":
+        return True
+    return (state == "FAILED" and peak_mib is not None and card_mib is not None and card_mib > 0
+            and peak_mib >= OOM_SHARE * card_mib)

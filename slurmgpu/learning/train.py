@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
+from slurmgpu.collector.oom import HOST_OOM_STATE, ran_out_of_gpu_memory
 from slurmgpu.history.db import GpuUsage, Job, Submission
 from slurmgpu.learning.censored import INF, memory_interval
 from slurmgpu.pipeline.bundle import (
@@ -112,17 +113,10 @@ def _well_formed(feats: Any) -> bool:
 
 
 def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
-    """Out of GPU memory: Slurm's OUT_OF_MEMORY is about host memory; a GPU OOM is a job whose
-    stderr ended with a framework's GPU OOM message (``gpu_oom``, recorded by the collector), or a
-    failed job whose measured peak reached the card (PyTorch raises and the job exits 1).
-
-    A recorded message counts whatever sacct's state (FAILED, or TIMEOUT when the other ranks of a
-    distributed job hung after one ran out), except COMPLETED: a job that finished held on the card,
-    having caught the error (automatic batch-size search, a retry at a smaller size)."""
-    if row["state"] == "OUT_OF_MEMORY" or (row.get("gpu_oom") and row["state"] != "COMPLETED"):
-        return True
+    """Out of memory, the outcome the learner avoids: Slurm's OUT_OF_MEMORY (host memory) or a GPU
+    OOM as ``collector.oom.ran_out_of_gpu_memory`` defines it for every part of slurmgpu."""
     card = _gpu(config, row["gpu_type"])["memory_gib"] * 1024
-    return row["state"] == "FAILED" and bool(row["peak"]) and card > 0 and row["peak"] >= 0.95 * card
+    return row["state"] == HOST_OOM_STATE or ran_out_of_gpu_memory(row["state"], row.get("gpu_oom"), row["peak"], card)
 
 
 # Batch x sequence (or steps) beyond e^100 is no real job (a typo, or a hostile script): its peak

@@ -7,8 +7,9 @@ Kinds, from the history store's measurements (collector, else sacct) and submiss
   policy's memory margin) fits a card with at most half the memory, and mean utilisation stayed low;
 - ``idle_gpus``: a multi-GPU job left some of its GPUs idle (per-GPU collector figures);
 - ``no_gpu_use``: a job never used any of its GPUs;
-- ``gpu_oom``: the job failed with its peak at the card's memory (PyTorch exits 1 on a GPU OOM, so
-  Slurm says FAILED); ``host_oom``: Slurm's OUT_OF_MEMORY, which is the host-memory cgroup;
+- ``gpu_oom``: a GPU OOM as ``collector.oom.ran_out_of_gpu_memory`` defines it (the collector's
+  record of a framework's message, else a FAILED job whose peak reached the usable memory NVML
+  reported); ``host_oom``: Slurm's OUT_OF_MEMORY, which is the host-memory cgroup;
 - ``over_requested``: slurmgpu's model, at submission, predicted that fewer GPUs of the same type
   finish within the policy's scaling factor, but the request was kept (e.g. a launcher that pins
   its process count).
@@ -20,14 +21,13 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from slurmgpu.collector.oom import HOST_OOM_STATE, OOM_SHARE, ran_out_of_gpu_memory
 from slurmgpu.pipeline.config import Config
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, UNTYPED, JobUse
 
 LOW_UTIL_PCT = 40.0  # mean utilisation below this: the card's speed is not what the job needs
 SMALLER_CARD = 0.5  # "too powerful": the peak fits a card with at most this share of the memory
-OOM_SHARE = 0.95  # a failed job whose peak reached this share of the card ran out of GPU memory
 MIN_IDLE_S = 600  # shorter jobs (tests, crashes at start-up) are not flagged for idle GPUs
-OOM_STATE = "OUT_OF_MEMORY"
 
 KINDS = {
     "gpu_oom": "ran out of GPU memory",
@@ -45,8 +45,10 @@ DEFINITIONS = {
                  f"{IDLE_UTIL_PCT:g}% utilisation (per-GPU collector figures)",
     "no_gpu_use": f"a job of {MIN_IDLE_S // 60} minutes or more whose GPUs stayed below {IDLE_UTIL_PCT:g}% "
                   f"utilisation or {IDLE_PEAK_MIB:g} MiB",
-    "gpu_oom": f"FAILED with a per-GPU peak of at least {OOM_SHARE:.0%} of the card's memory",
-    "host_oom": f"state {OOM_STATE}: Slurm's host-memory cgroup killed the job (not the GPU)",
+    "gpu_oom": f"the collector found a framework's GPU out-of-memory message in stderr (state not COMPLETED), or "
+               f"FAILED with a per-GPU peak of at least {OOM_SHARE:.0%} of the card's usable memory (as NVML reports "
+               "it; the config's nominal size without a collector record)",
+    "host_oom": f"state {HOST_OOM_STATE}: Slurm's host-memory cgroup killed the job (not the GPU)",
     "over_requested": "the model decider's recorded candidates show fewer GPUs of the same type finishing within "
                       "the policy's scaling factor, and the request was kept",
     "wasted_gpu_hours": "idle GPUs x elapsed (idle_gpus, no_gpu_use, over_requested), the whole job for OOMs; "
@@ -95,6 +97,16 @@ def _gres(gpu_type: str, gpus: int, config: Config | None, partition: str | None
 def _card_mib(config: Config | None, gpu_type: str) -> float | None:
     t = config.gpu_types.get(gpu_type) if config else None
     return t.memory_gib * 1024.0 if t and t.memory_gib > 0 else None
+
+
+def oom_card_mib(job: JobUse, config: Config | None) -> float | None:
+    """The memory a GPU OOM is measured against: what NVML said the job's cards offer, else nominal."""
+    return job.usable_mib or _card_mib(config, job.gpu_type)
+
+
+def gpu_oom(job: JobUse, config: Config | None) -> bool:
+    """The job ran out of GPU memory (``collector.oom.ran_out_of_gpu_memory``)."""
+    return ran_out_of_gpu_memory(job.state, job.gpu_oom, job.peak_mib, oom_card_mib(job, config))
 
 
 def smaller_card(job: JobUse, config: Config | None) -> str | None:
@@ -146,15 +158,19 @@ def job_alerts(job: JobUse, config: Config | None) -> list[JobAlert]:
 
     typed = job.gpu_type != UNTYPED
     card = _card_mib(config, job.gpu_type)
-    if job.state == OOM_STATE:
+    if job.state == HOST_OOM_STATE:
         add("host_oom", "Slurm killed it for host memory (OUT_OF_MEMORY)",
             "ask for more host memory (--mem or --mem-per-cpu); the GPUs were not the limit", hours)
-    elif job.state == "FAILED" and card and job.peak_mib is not None and job.peak_mib >= OOM_SHARE * card:
+    elif gpu_oom(job, config):
         bigger = _bigger_card(job, config)
         fix = (f"ask for {_gres(bigger, job.gpu_count, config, job.partition)}, or a smaller batch / gradient "
                "checkpointing" if bigger else
                "lower per-GPU memory: a smaller batch, gradient checkpointing, or ZeRO-3/FSDP over more GPUs")
-        add("gpu_oom", f"peak {job.peak_mib / 1024:.1f} GiB reached the {card / 1024:.0f} GiB card", fix, hours)
+        usable = oom_card_mib(job, config)
+        peak = (f"peak {job.peak_mib / 1024:.1f} GiB of the card's {usable / 1024:.1f} GiB"
+                if job.peak_mib is not None and usable else "")
+        said = f"{job.gpu_oom} reported CUDA out of memory" if job.gpu_oom else ""
+        add("gpu_oom", "; ".join(x for x in (said, peak) if x), fix, hours)
     if out or job.elapsed_s <= 0:
         return out
     long_enough = job.elapsed_s >= MIN_IDLE_S

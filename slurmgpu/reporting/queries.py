@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import select
@@ -15,6 +15,11 @@ from slurmgpu.history.db import GpuUsage, Job, Submission
 from slurmgpu.history.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, gpus_busy
 
 UNTYPED = "untyped"
+# A collector record that started this long before sacct's start of the job belongs to an earlier
+# attempt of a requeued job (sacct keeps the latest attempt only); the slack absorbs the prolog's
+# delay and clock differences between the nodes and slurmctld.
+ATTEMPT_SLACK = timedelta(seconds=60)
+NOT_STARTED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})  # the latest attempt has not run
 
 
 class JobUse(NamedTuple):
@@ -36,6 +41,8 @@ class JobUse(NamedTuple):
     changed: bool
     mean_util: float | None = None  # percent, over the job's GPUs (collector only)
     partition: str | None = None
+    gpu_oom: str | None = None  # the framework whose GPU OOM message the collector found in stderr
+    usable_mib: float | None = None  # the least memory NVML reported for the job's GPUs (collector only)
 
     @property
     def gpu_hours(self) -> float:
@@ -57,7 +64,7 @@ def load_jobs(engine: Engine, since: datetime, until: datetime, user: str | None
     """
     stmt = (select(Job.cluster, Job.job_id, Job.job_id_raw, Job.array_job_id, Job.het_job_id, Job.user, Job.account,
                    Job.gpu_type, Job.gpu_count, Job.elapsed_s, Job.state, Job.end_time, Job.sacct_gpu_mem_mib,
-                   Job.sacct_gpu_util, Job.partition)
+                   Job.sacct_gpu_util, Job.partition, Job.start_time)
             .where(Job.gpu_count > 0, Job.end_time >= since, Job.end_time < until)
             .order_by(Job.end_time, Job.id))
     if user is not None:
@@ -70,7 +77,7 @@ def load_jobs(engine: Engine, since: datetime, until: datetime, user: str | None
         jobs = conn.execute(stmt).all()
         usage = _rows_by_id(conn, GpuUsage.__table__, {k for j in jobs for k in _usage_keys(j)})
         subs = _rows_by_id(conn, Submission.__table__, {k for j in jobs for k in _submission_keys(j)})
-    return [job_use(j, [u for k in _usage_keys(j) for u in usage.get(k, ())],
+    return [job_use(j, this_attempt(j, [u for k in _usage_keys(j) for u in usage.get(k, ())])[0],
                      next((s for k in _submission_keys(j) for s in subs.get(k, ())), None)) for j in jobs]
 
 
@@ -100,6 +107,26 @@ def find_job(engine: Engine, job_id: str, cluster: str | None = None) -> OneJob 
     return OneJob(row, sorted(hosts, key=lambda h: h.hostname),
                   next((s for k in _submission_keys(row) for s in subs.get(k, ())), None))
 
+
+
+def this_attempt(job: Any, hosts: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(the collector rows of the attempt sacct describes, those of earlier attempts).
+
+    A requeued job keeps one id: sacct reports its latest attempt while the collector's records of
+    an earlier one stay in the store. Mixing them would put one attempt's samples beside another's
+    state and run time. A record without a start time, or a job without times that has run, keeps
+    its records (nothing tells them apart)."""
+    start = job.start_time
+    if start is None and job.end_time is not None and job.elapsed_s is not None:
+        start = job.end_time - timedelta(seconds=job.elapsed_s)  # a history imported without Start
+    kept, earlier = [], []
+    for h in hosts:
+        if h.start_time is not None and (h.start_time < start - ATTEMPT_SLACK if start is not None
+                                         else job.state in NOT_STARTED):
+            earlier.append(h)
+        else:
+            kept.append(h)
+    return kept, earlier
 
 
 def _usage_keys(job: Any) -> tuple[tuple[str, str], ...]:
@@ -139,9 +166,14 @@ def job_use(job: Any, hosts: list[Any], sub: Any) -> JobUse:
         busy = gpus_busy([h.detail for h in hosts])
         means = [(h.mean_util, max(h.gpus, 1)) for h in hosts if h.mean_util is not None]
         mean = sum(m * n for m, n in means) / sum(n for _, n in means) if means else None
+        oom = next((h.gpu_oom for h in hosts if h.gpu_oom), None)
+        totals = [g["memory_total_mib"] for h in hosts if isinstance(h.detail, list) for g in h.detail
+                  if isinstance(g, dict) and isinstance(g.get("memory_total_mib"), (int, float))
+                  and g["memory_total_mib"] > 0]
+        usable = min(totals) if totals else None
     else:
-        peak, util, busy = job.sacct_gpu_mem_mib, job.sacct_gpu_util, None
+        peak, util, busy, oom, usable = job.sacct_gpu_mem_mib, job.sacct_gpu_util, None, None, None
     return JobUse(job.job_id, job.user or "?", job.account or "-", job.gpu_type or UNTYPED, job.gpu_count,
                   job.elapsed_s or 0, job.state, job.end_time, peak, util, busy,
                   sub.original_request if sub else None, sub.decision if sub else None, bool(sub and sub.changed),
-                  mean, job.partition)
+                  mean, job.partition, oom, usable)

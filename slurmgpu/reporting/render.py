@@ -93,17 +93,16 @@ def _ratio(used: int, asked: int) -> str:
 
 TEXT_COLUMNS = {"GPU type", "user", "account", "change", "alert", "example job", "detail", "fix"}
 
-# What a terminal of 80 columns shows of each table; --wide shows every column.
-NARROW = {
-    "GPU types": ("GPU type", "jobs", "GPU-h", "idle GPU-h", "memory used"),
-    "Users and accounts": ("user", "account", "jobs", "GPU-h", "idle GPU-h", "memory used", "OOMs", "changed"),
-    "Changes by slurmgpu": ("change", "jobs", "users", "GPU-h saved"),
-    "Advised, not applied": ("change", "jobs", "users", "GPU-h saved"),
-    "Alerts": ("user", "alert", "jobs", "wasted GPU-h", "fix"),
-    "Jobs": ("job", "state", "GPUs", "elapsed", "peak GiB/GPU"),
+# The columns each table keeps longest when the terminal is too narrow for all of them, in that
+# order; the table's other columns go first, from its right end.
+KEEP_FIRST = {
+    "GPU types": ("GPU type", "GPU-h", "idle GPU-h", "memory used", "jobs"),
+    "Users and accounts": ("user", "GPU-h", "idle GPU-h", "memory used", "OOMs", "account", "jobs", "changed"),
+    "Changes by slurmgpu": ("change", "jobs", "GPU-h saved", "users"),
+    "Advised, not applied": ("change", "jobs", "GPU-h saved", "users"),
+    "Alerts": ("user", "alert", "fix", "wasted GPU-h", "jobs"),
+    "Jobs": ("job", "user", "state", "GPUs", "elapsed", "peak GiB/GPU"),
 }
-WIDE_ENOUGH = 200  # a terminal this wide shows every column
-
 
 
 def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[str, ...]]]]:
@@ -113,11 +112,12 @@ def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[st
             (t.gpu_type, str(t.jobs), _num(t.gpu_hours), _num(t.idle_gpu_hours), _num(t.measured_gpu_hours),
              _pct(t.mem_used_share)) for t in report.types]),
         "Users and accounts": (("user", "account", "jobs", "GPU-h", "idle GPU-h", "GiB/GPU asked", "GiB/GPU used",
-                                "memory used", "GPUs busy/asked", "OOMs", "changed", "GPU-h saved",
-                                "queue h saved"), [
+                                "memory used", "GPUs busy/asked", "OOMs", "GPU OOMs", "changed",
+                                "GPU-h saved",                                "queue h saved"), [
             (u.user, u.account, str(u.jobs), _num(u.gpu_hours), _num(u.idle_gpu_hours), _num(u.mem_asked_gib),
              _num(u.mem_used_gib), _pct(u.mem_used_share), _ratio(u.gpus_busy, u.gpus_asked), str(u.ooms),
-             str(u.changed), _num(u.gpu_hours_saved), _num(u.queue_hours_saved)) for u in report.users]),
+             str(u.gpu_ooms), str(u.changed), _num(u.gpu_hours_saved), _num(u.queue_hours_saved))
+            for u in report.users]),
         "Changes by slurmgpu": (("change", "jobs", "users", "GPU-h saved", "queue h saved"), [
             (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
             for c in report.changes]),
@@ -134,12 +134,41 @@ def alert_rows(rows: Sequence[AlertRow]) -> tuple[tuple[str, ...], list[tuple[st
          a.example_job, a.detail, a.fix) for a in rows])
 
 
-def narrowed(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]],
-             wide: bool) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    """The table's columns a narrow terminal shows (all of them when wide)."""
-    keep = header if wide else NARROW.get(title, header)
-    index = [header.index(h) for h in keep]
-    return keep, [tuple(row[i] for i in index) for row in rows]
+def _table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], keep: list[int], wide: bool) -> Any:
+    """The rich table of the columns ``keep``: text columns wrap at spaces, figures and ids never."""
+    from rich.table import Table
+    from rich.text import Text as RichText
+
+    table = Table(title=title)
+    for i in keep:
+        text = header[i] in TEXT_COLUMNS
+        table.add_column(header[i], justify="left" if text else "right", overflow="fold", no_wrap=wide or not text)
+    for row in rows:
+        table.add_row(*(RichText(row[i]) for i in keep))  # names are data, never rich markup
+    return table
+
+
+def fitted(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], console: Any) -> list[int]:
+    """The columns that fit the console: each needs what rich measures of its cells and header
+    (all of a figure or id, which never wraps; the longest word of a text column, which rich wraps
+    at spaces), plus padding and a border. Columns go from the right, those KEEP_FIRST does not
+    name first, then those it names from its last."""
+    from rich.measure import Measurement
+    from rich.text import Text as RichText
+
+    unbounded = console.options.update_width(1 << 20)
+
+    def need(i: int) -> int:
+        sizes = [Measurement.get(console, unbounded, RichText(cell)) for cell in (header[i], *(r[i] for r in rows))]
+        return 3 + max(m.minimum if header[i] in TEXT_COLUMNS else m.maximum for m in sizes)
+
+    first = [header.index(h) for h in KEEP_FIRST.get(title, ()) if h in header]
+    order = first + [i for i in range(len(header)) if i not in first]  # the last one goes first
+    widths = {i: need(i) for i in range(len(header))}
+    keep = list(range(len(header)))
+    while len(keep) > 1 and 1 + sum(widths[i] for i in keep) > console.width:
+        keep.remove(max(keep, key=order.index))
+    return keep
 
 
 def terminal_width() -> int:
@@ -151,19 +180,10 @@ def terminal_width() -> int:
 
 def print_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]], console: Any,
                 wide: bool) -> bool:
-    """One table; True when columns were left out."""
-    from rich.table import Table
-    from rich.text import Text as RichText
-
-    shown, cells = narrowed(title, header, rows, wide)
-    table = Table(title=title)
-    for name in shown:
-        table.add_column(name, justify="left" if name in TEXT_COLUMNS else "right",
-                         overflow="fold", no_wrap=wide)
-    for row in cells:
-        table.add_row(*(RichText(cell) for cell in row))  # names are data, never rich markup
-    console.print(table)
-    return bool(rows) and len(shown) < len(header)
+    """One table sized to the terminal (every column when wide); True when columns were left out."""
+    keep = list(range(len(header))) if wide else fitted(title, header, rows, console)
+    console.print(_table(title, header, rows, keep, wide))
+    return bool(rows) and len(keep) < len(header)
 
 
 def console_for(wide: bool) -> Any:
@@ -179,7 +199,7 @@ def headline(report: Report) -> str:
     scope = f"user {report.user}" if report.user else "all users"
     return (f"{_iso(report.since)} .. {_iso(report.until)}, {scope}: {t['jobs']} GPU jobs, "
             f"{_num(t['gpu_hours'])} GPU-h ({_num(t['idle_gpu_hours'])} idle), memory used "
-            f"{_pct(t['mem_used_share'])}, {t['ooms']} OOMs, {t['changed']} changed by slurmgpu "
+            f"{_pct(t['mem_used_share'])}, {t['ooms']} OOMs ({t['gpu_ooms']} GPU), {t['changed']} changed by slurmgpu "
             f"({_num(t['gpu_hours_saved'])} GPU-h saved)" + advised_line(t))
 
 
@@ -251,23 +271,46 @@ class Chart(NamedTuple):
 
 
 
+CHAR_EM = 0.64  # the widest digit or letter of the page's font (DejaVu Sans), in ems: labels never clip
+LABEL_PX, VALUE_PX = 12, 11  # svg text and svg text.value in the template's CSS
+
+
+def text_width(text: str, px: int) -> float:
+    return len(text) * CHAR_EM * px
+
+
 def bar_chart(title: str, rows: Sequence[tuple[str, Sequence[tuple[float, str, str]]]], unit: str,
-              legend: list[tuple[str, str]]) -> Chart:
-    """Horizontal stacked bars: one row per label, segments of (value, colour, tooltip)."""
-    width, left, right, row_h = 560, 150, 80, 26
+              legend: list[tuple[str, str]], values: Sequence[str] | None = None) -> Chart:
+    """Horizontal stacked bars: one row per label, segments of (value, colour, tooltip), each row's
+    total (or ``values``) after its bar; the margins are as wide as the longest labels."""
+    labels = [label[:22] for label, _ in rows]
+    values = list(values) if values is not None else [f"{sum(v for v, _, _ in segs):,.0f} {unit}"
+                                                      for _, segs in rows]
+    width, row_h = 560, 26
+    left = 8 + max((text_width(x, LABEL_PX) for x in labels), default=0.0) + 8
+    right = 6 + max((text_width(x, VALUE_PX) for x in values), default=0.0) + 4
     height = 10 + row_h * max(len(rows), 1)
     top = max((sum(v for v, _, _ in segs) for _, segs in rows), default=0.0) or 1.0
-    scale = (width - left - right) / top
+    scale = max(width - left - right, 40.0) / top
     rects, texts = [], []
-    for i, (label, segs) in enumerate(rows):
-        y, x = 8 + i * row_h, float(left)
-        texts.append(Text(left - 8, y + 15, label[:22], "end"))
+    for i, ((_, segs), label, value_text) in enumerate(zip(rows, labels, values, strict=True)):
+        y, x = 8 + i * row_h, left
+        texts.append(Text(left - 8, y + 15, label, "end"))
         for value, color, tip in segs:
             rects.append(Rect(x, y, max(value * scale, 0.0), row_h - 8, color, tip))
             x += max(value * scale, 0.0)
-        texts.append(Text(x + 6, y + 15, f"{sum(v for v, _, _ in segs):,.0f} {unit}", css="value"))
-    return Chart(title, width, height, rects, texts, [], legend)
+        texts.append(Text(x + 6, y + 15, value_text, css="value"))
+    return Chart(title, int(max(width, left + right + 40)), height, rects, texts, [], legend)
 
+
+def memory_chart(title: str, rows: Sequence[tuple[str, float | None, float | None, str]]) -> Chart:
+    """Per row (label, GiB per GPU allocated, GiB used at peak, colour): the used part coloured,
+    the rest of the card grey; rows without measurements are left out."""
+    shown = [(label, asked, used, color) for label, asked, used, color in rows if asked and used is not None]
+    return bar_chart(title, [(label, [(used, color, f"{label}: {used:,.1f} GiB used at peak"),
+                                      (asked - used, IDLE_COLOR, f"{label}: {asked - used:,.1f} GiB never used")])
+                             for label, asked, used, color in shown], "GiB", [("not used", IDLE_COLOR)],
+                     [f"{used:,.1f} of {asked:,.0f} GiB" for _, asked, used, _ in shown])
 
 
 def axis_scale(value: float) -> tuple[float, int]:
@@ -320,7 +363,12 @@ def charts(report: Report) -> list[Chart]:
     idle_legend = [("busy", USER_COLOR), ("idle", IDLE_COLOR)]
     return [daily_chart(report, colors),
             bar_chart("Allocated GPU-hours by type (grey: idle)", per_type, "GPU-h", [("idle", IDLE_COLOR)]),
-            bar_chart("Top users by GPU-hours", top_users, "GPU-h", idle_legend)]
+            bar_chart("Top users by GPU-hours", top_users, "GPU-h", idle_legend),
+            memory_chart("GPU memory per GPU by type: peak used of allocated",
+                         [(t.gpu_type, t.mem_asked_gib, t.mem_used_gib, colors[t.gpu_type]) for t in report.types]),
+            memory_chart("GPU memory per GPU by user: peak used of allocated",
+                         [(f"{u.user} ({u.account})", u.mem_asked_gib, u.mem_used_gib, USER_COLOR)
+                          for u in report.users[:12]])]
 
 
 
@@ -336,7 +384,8 @@ def to_html(report: Report, generated: datetime) -> str:
     tiles = [("GPU jobs", f"{t['jobs']:,}"), ("GPU-hours", _num(t["gpu_hours"], 0)),
              ("idle GPU-hours", f"{_num(t['idle_gpu_hours'], 0)} ({_pct(t['idle_gpu_hours'] / t['gpu_hours'])})"
               if t["gpu_hours"] else "-"),
-             ("GPU memory used", _pct(t["mem_used_share"])), ("OOM jobs", str(t["ooms"])),
+             ("GPU memory used", _pct(t["mem_used_share"])),
+             (f"OOM jobs ({t['gpu_ooms']} GPU, {t['ooms'] - t['gpu_ooms']} host memory)", str(t["ooms"])),
              ("changed by slurmgpu", str(t["changed"])), ("GPU-hours saved (est.)", _num(t["gpu_hours_saved"], 0)),
              ("queue hours saved (est.)", _num(t["queue_hours_saved"]))]
     if t["advised"]:

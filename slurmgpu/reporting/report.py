@@ -13,12 +13,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import date, datetime
 from typing import Any, NamedTuple
 
+from slurmgpu.collector.oom import HOST_OOM_STATE
 from slurmgpu.pipeline.config import Config
 from slurmgpu.reporting import alerts
 from slurmgpu.reporting.alerts import AlertRow
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, JobUse
-
-OOM_STATE = "OUT_OF_MEMORY"
 
 DEFINITIONS = {
     "window": "jobs with GPUs whose end time falls in [since, until), UTC; running jobs are not counted yet",
@@ -31,7 +30,8 @@ DEFINITIONS = {
                       f"peak memory stayed below {IDLE_PEAK_MIB:g} MiB (less than a CUDA context)",
     "gpus_asked / gpus_busy": f"over jobs with per-GPU collector figures: GPUs allocated, and those that reached "
                               f"{IDLE_UTIL_PCT:g}% utilisation",
-    "ooms": f"jobs that ended {OOM_STATE}",
+    "ooms": f"jobs that ran out of memory: GPU OOMs (alert gpu_oom) and host-memory kills (state {HOST_OOM_STATE})",
+    "gpu_ooms": "jobs that ran out of GPU memory, as alert gpu_oom defines it",
     "changed": "jobs whose gsbatch submission record says slurmgpu changed the request",
     "gpu_hours_saved": "estimate: (GPUs originally requested - GPUs decided) x the job's elapsed time; a change of "
                        "GPU type alone saves none (the run time on the original type is unknown)",
@@ -52,6 +52,8 @@ class TypeRow(NamedTuple):
     measured_gpu_hours: float
     mem_used_share: float | None
     idle_gpu_hours: float
+    mem_asked_gib: float | None = None  # as UserRow's: card and peak memory per GPU, GPU-hour weighted
+    mem_used_gib: float | None = None
 
 
 class UserRow(NamedTuple):
@@ -66,6 +68,7 @@ class UserRow(NamedTuple):
     gpus_asked: int
     gpus_busy: int
     ooms: int
+    gpu_ooms: int
     changed: int
     gpu_hours_saved: float
     queue_hours_saved: float | None
@@ -101,6 +104,7 @@ class Report(NamedTuple):
             "mem_used_share": (sum(t.measured_gpu_hours * (t.mem_used_share or 0.0) for t in self.types) / measured
                                if measured else None),
             "ooms": sum(u.ooms for u in self.users),
+            "gpu_ooms": sum(u.gpu_ooms for u in self.users),
             "changed": sum(u.changed for u in self.users),
             "gpu_hours_saved": sum(u.gpu_hours_saved for u in self.users),
             "queue_hours_saved": sum(queue) if queue else None,
@@ -234,9 +238,9 @@ def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until:
         daily[j.end_time.date()][j.gpu_type] += j.gpu_hours
     types = []
     for name, group in by_type.items():
-        measured, share, _, _ = _mem(group, config)
+        measured, share, asked, used = _mem(group, config)
         types.append(TypeRow(name, len(group), sum(j.gpu_hours for j in group), measured, share,
-                             sum(j.gpu_hours for j in group if j.idle)))
+                             sum(j.gpu_hours for j in group if j.idle), asked, used))
     users = []
     for (name, account), group in by_user.items():
         _, share, asked, used = _mem(group, config)
@@ -245,7 +249,9 @@ def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until:
         users.append(UserRow(name, account, len(group), sum(j.gpu_hours for j in group),
                              sum(j.gpu_hours for j in group if j.idle), asked, used, share,
                              sum(j.gpu_count for j in detailed), sum(j.gpus_busy or 0 for j in detailed),
-                             sum(1 for j in group if j.state == OOM_STATE), len(changed),
+                             sum(1 for j in group if j.state == HOST_OOM_STATE or alerts.gpu_oom(j, config)),
+                             sum(1 for j in group if j.state != HOST_OOM_STATE and alerts.gpu_oom(j, config)),
+                             len(changed),
                              sum(gpu_hours_saved(j) for j in changed),
                              _hours(_sum_optional(queue_seconds_saved(j) for j in changed))))
     changes = [ChangeRow(what, len(group), len({j.user for j in group}), sum(gpu_hours_saved(j) for j in group),

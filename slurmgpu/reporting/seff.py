@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.config import Config
 from slurmgpu.reporting import alerts
-from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, UNTYPED, OneJob, job_use
+from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, UNTYPED, OneJob, job_use, this_attempt
 from slurmgpu.reporting.report import describe_change
 from slurmgpu.slurm.sacct import format_duration
 from slurmgpu.slurm.usage import HostUse
@@ -57,6 +57,7 @@ class Seff(NamedTuple):
     asked: str | None
     decision: str | None
     alerts: list[alerts.JobAlert]
+    advice: list[str]  # one line per alert with its fix, or why there is none
     missing: list[str]
     host: HostUse | None = None  # CPU and host memory, from Slurm when seff is asked (not in the history)
 
@@ -83,7 +84,9 @@ def _request_text(req: Any) -> str | None:
         f" in partition {req['partition']}" if req.get("partition") else "")
 
 
-def _decision_text(original: Any, decision: Any) -> str | None:
+def _decision_text(original: Any, decision: Any, applied: bool) -> str | None:
+    """What slurmgpu did; ``applied``: the record says the job went in changed (advise mode and
+    waivers record the changes slurmgpu would have made, and submit the job as written)."""
     if not isinstance(decision, dict):
         return None
     reasons = decision.get("reasons") or []
@@ -92,14 +95,38 @@ def _decision_text(original: Any, decision: Any) -> str | None:
     why = f" ({why})" if why else ""
     if decision.get("refused"):
         return f"refused: {decision['refused']}{why}"
-    if decision.get("changed") or decision.get("changes"):
+    if decision.get("changes") and applied:
         return f"changed it: {describe_change(original, decision)}{why}"
+    if decision.get("changes"):
+        mode = " (advise mode)" if decision.get("advised") else ""
+        return f"advised, not applied{mode}: would have changed {describe_change(original, decision)}; the job ran " \
+               f"as written{why}"
     return f"kept the request{why}"
 
 
+def _advice(found: list[alerts.JobAlert], idle: int | None, gpu_count: int, elapsed: int,
+            measured: bool) -> list[str]:
+    """The alerts' fixes; without any, why not, so that an idle GPU is never called a fit."""
+    if found:
+        return [f"{alerts.KINDS[a.kind]}: {a.detail}; {a.fix}" for a in found]
+    if not measured:
+        return []
+    if idle and elapsed < alerts.MIN_IDLE_S:
+        return [f"none: {idle} of {gpu_count} GPU(s) sat idle, but the job ran {_duration(elapsed)}, under the "
+                f"{alerts.MIN_IDLE_S // 60}-minute floor below which idle GPUs are not flagged (test runs, "
+                "crashes at start-up)"]
+    return ["none; the GPUs fit the job"]
+
+
 def build(found: OneJob, config: Config | None) -> Seff:
-    job, hosts, sub = found.job, found.hosts, found.submission
+    job, sub = found.job, found.submission
+    hosts, earlier = this_attempt(job, found.hosts)
     missing: list[str] = []
+    if earlier:
+        missing.append(f"collector figures of an earlier attempt: the job was requeued and sacct describes its latest "
+                       f"attempt ({job.state}, " + (f"started {job.start_time:%Y-%m-%d %H:%M:%S} UTC" if job.start_time
+                                                    else "not started") +
+                       f"); {len(earlier)} host record(s) of an earlier attempt are left out, not mixed with it")
     gtype = job.gpu_type
     card_t = config.gpu_types.get(gtype) if config and gtype else None
     card_mib = card_t.memory_gib * 1024.0 if card_t and card_t.memory_gib > 0 else None
@@ -138,6 +165,7 @@ def build(found: OneJob, config: Config | None) -> Seff:
             else use.mean_util)
     idle = sum(g.idle for g in gpus) if gpus else None
     gpu_hours = job.gpu_count * elapsed / 3600.0
+    found_alerts = alerts.job_alerts(use, config) if job.gpu_count else []
     if sub is None and job.gpu_count:
         missing.append("decision: no submission record (not submitted with gsbatch, or its record not ingested)")
     return Seff(job.job_id, job.cluster, job.user or "?", job.account or "-", job.partition, job.state,
@@ -145,8 +173,8 @@ def build(found: OneJob, config: Config | None) -> Seff:
                 card_mib / 1024.0 if card_mib else None, job.node_list, elapsed, job.time_limit_s, source, gpus,
                 use.peak_mib, mean, idle, gpu_hours, idle * elapsed / 3600.0 if idle is not None else None,
                 _request_text(sub.original_request) if sub else None,
-                _decision_text(sub.original_request, sub.decision) if sub else None,
-                alerts.job_alerts(use, config) if job.gpu_count else [], missing)
+                _decision_text(sub.original_request, sub.decision, bool(sub.changed)) if sub else None,
+                found_alerts, _advice(found_alerts, idle, job.gpu_count, elapsed, source is not None), missing)
 
 
 def _duration(seconds: int | None) -> str:
@@ -207,10 +235,7 @@ def to_text(s: Seff) -> str:
                          f"max {_pct(g.max_util)}" + ("  IDLE" if g.idle else ""))
     lines.append(f"Asked for: {s.asked or '-'}")
     lines.append(f"slurmgpu: {s.decision or '-'}")
-    for a in s.alerts:
-        lines.append(f"Advice: {alerts.KINDS[a.kind]}: {a.detail}; {a.fix}")
-    if not s.alerts and s.source:
-        lines.append("Advice: none; the GPUs fit the job")
+    lines += [f"Advice: {a}" for a in s.advice]
     lines += [f"Missing: {m}" for m in s.missing]
     return "\n".join(lines) + "\n"
 
