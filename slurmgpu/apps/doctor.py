@@ -7,12 +7,14 @@ real ones. A check never raises: whatever goes wrong becomes its FAIL or WARN li
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import socket
 import stat
-from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+import subprocess
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.config import Config
@@ -29,6 +31,17 @@ class Check(NamedTuple):
     status: str  # OK, WARN or FAIL
     detail: str  # what was found
     advice: str = ""  # one line: what to do about it (empty when OK)
+
+
+def run_text(argv: list[str]) -> str:
+    """A Slurm command's standard output; its error line as the exception when it fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"{argv[0]}: {exc}") from None
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or 'exit ' + str(res.returncode)}")
+    return res.stdout
 
 
 def exit_status(checks: Sequence[Check]) -> int:
@@ -295,3 +308,54 @@ def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
                                 f"node holds no {gtype}: remove {feature!r} from [gpu_types.{gtype}].features "
                                 f"or from the node's Features")
     return problems
+
+
+class Names(NamedTuple):
+    """The names the cluster knows: partitions from slurmctld; users and accounts from the accounting
+    database (None when it could not be asked, with why), since that is where Slurm charges a job."""
+
+    partitions: frozenset[str]
+    users: frozenset[str] | None
+    accounts: frozenset[str] | None
+    unasked: str = ""
+
+
+def cluster_names(run: Callable[[list[str]], str]) -> Names:
+    """Ask sinfo for the partitions and sacctmgr for the users and accounts (a failure of sinfo raises:
+    nothing can be compared without slurmctld)."""
+    partitions = frozenset(run(["sinfo", "-h", "-o", "%R"]).split())
+    try:
+        users = frozenset(run(["sacctmgr", "-nP", "show", "user", "format=user"]).split())
+        accounts = frozenset(run(["sacctmgr", "-nP", "show", "account", "format=account"]).split())
+    except Exception as exc:  # noqa: BLE001 - no slurmdbd: the names go unchecked, and the check says so
+        return Names(partitions, None, None, str(exc))
+    return Names(partitions, users, accounts)
+
+
+def _unknown(kind: str, where: str, name: str, known: Iterable[str], source: str) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f": did you mean {close[0]!r}?" if close else f": fix or remove it in {where}"
+    return f"{where}: {kind} {name!r} is not known to {source}{hint}"
+
+
+def name_problems(config: Config, names: Names) -> list[str]:
+    """Every partition, user and account the modes and waivers name that the cluster does not know
+    (a misspelt name silently matches no job, so its mode or waiver never applies)."""
+    problems = [_unknown("partition", "[policy.modes] partitions", p, names.partitions, "Slurm (sinfo)")
+                for p in config.modes.partitions if p not in names.partitions]
+    for kind, known, entries in (
+            ("user", names.users, [("[policy.modes] users", n) for n in config.modes.users]
+             + [(f"waivers[{i}].user", w.user) for i, w in enumerate(config.waivers) if w.user]),
+            ("account", names.accounts, [("[policy.modes] accounts", n) for n in config.modes.accounts]
+             + [(f"waivers[{i}].account", w.account) for i, w in enumerate(config.waivers) if w.account])):
+        if known is not None:
+            problems += [_unknown(kind, where, name, known, "the accounting database (sacctmgr)")
+                         for where, name in entries if name not in known]
+    return problems
+
+
+def expired_waivers(config: Config, today: date) -> list[str]:
+    """Waivers past their day: harmless (they no longer apply) but no longer what the file says."""
+    return [f"waivers[{i}] ({w.user or w.account}, family {w.family}) expired on {w.expires.isoformat()}: "
+            "it no longer applies; remove it or extend expires" for i, w in enumerate(config.waivers)
+            if w.expires < today]

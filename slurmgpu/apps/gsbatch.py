@@ -101,6 +101,13 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
     return base._replace(script_args=tail)
 
 
+def _own_version() -> str:
+    """slurmgpu's version under sbatch's: a bug report needs both."""
+    from slurmgpu import __version__
+
+    return f"gsbatch (slurmgpu) {__version__}\n"
+
+
 def _note(stream: TextIO | None, kind: str, text: str) -> None:
     """One line on stderr, whatever the text holds (a daemon's reasons, a path: no control
     character reaches the terminal); a closed or broken stderr loses the line, never the job (and
@@ -484,11 +491,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return run_sbatch(backend, argv, env).code
     if inv.pass_through:
         code = run_sbatch(backend, inv.sbatch_words(), env).code
-        if {"--help", "-h"} & set(inv.options):
-            try:
-                print(HELP, end="")
-            except (OSError, ValueError, AttributeError):
-                pass
+        asked = set(inv.options)
+        ours = HELP if {"--help", "-h"} & asked else _own_version() if {"--version", "-V"} & asked else ""
+        try:
+            print(ours, end="")
+        except (OSError, ValueError, AttributeError):
+            pass
         return code
     stdin_data = None
     if inv.script is None and not inv.wrap:

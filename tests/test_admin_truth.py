@@ -1,0 +1,87 @@
+"""Issue 28, the admin's side: what `config check`, `config init`, `doctor`, `gsbatch --version` and the
+decision tag say and do is true. Live parts run against the local cluster (marked slurm)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurmgpu.apps import doctor
+from slurmgpu.cli.main import main
+from slurmgpu.pipeline.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "contrib" / "slurmgpu.toml"
+MISSPELT = """
+[policy.modes]
+partitions = { gpu-smal = "advise" }
+accounts = { slurmgpuu = "advise" }
+users = { nosuchuser28 = "rewrite" }
+
+[[waivers]]
+account = "physics28"
+family = "e164288c59e6"
+reason = "A/B benchmark"
+owner = "hpc-admin"
+expires = 2020-01-31
+"""
+
+
+def misspelt(tmp_path: Path) -> Path:
+    path = tmp_path / "slurmgpu.toml"
+    path.write_text(SAMPLE.read_text() + MISSPELT)
+    return path
+
+
+def test_names_and_expired_waivers_without_a_cluster(tmp_path: Path) -> None:
+    config = load_config(misspelt(tmp_path))
+    names = doctor.Names(frozenset({"gpu", "gpu-small", "debug"}), frozenset({"root", "sguser"}),
+                         frozenset({"root", "slurmgpu"}))
+    problems = doctor.name_problems(config, names)
+    assert len(problems) == 4, problems
+    assert problems[0].startswith("[policy.modes] partitions: partition 'gpu-smal' is not known") \
+        and problems[0].endswith("did you mean 'gpu-small'?")
+    assert any("user 'nosuchuser28'" in p for p in problems)
+    assert any("account 'slurmgpuu'" in p and "did you mean 'slurmgpu'?" in p for p in problems)
+    assert any(p.startswith("waivers[0].account: account 'physics28'") for p in problems)
+    assert doctor.name_problems(config, names._replace(users=None, accounts=None)) == problems[:1]
+    assert doctor.expired_waivers(config, date(2020, 1, 31)) == []  # holds through its day
+    assert doctor.expired_waivers(config, date(2020, 2, 1)) == [
+        "waivers[0] (physics28, family e164288c59e6) expired on 2020-01-31: it no longer applies; "
+        "remove it or extend expires"]
+
+
+@pytest.mark.slurm
+def test_config_check_names_every_unknown_name_in_one_run(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["--config", str(misspelt(tmp_path)), "config", "check"])
+    assert res.exit_code == 1, res.output
+    assert "matches the live cluster" not in res.output
+    lines = res.output.splitlines()
+    assert sum(line.startswith("mismatch: ") for line in lines) == 4, res.output
+    assert "did you mean 'gpu-small'?" in res.output and "user 'nosuchuser28'" in res.output
+    assert "warning: waivers[0] (physics28, family e164288c59e6) expired on 2020-01-31" in res.output
+    as_json = CliRunner().invoke(main, ["--config", str(misspelt(tmp_path)), "config", "check", "--json"])
+    data = json.loads(as_json.stdout)
+    assert as_json.exit_code == 1 and data["matches"] is False and len(data["errors"]) == 4
+    assert len(data["warnings"]) == 1
+    good = CliRunner().invoke(main, ["--config", str(SAMPLE), "config", "check", "--json"])
+    assert good.exit_code == 0 and json.loads(good.stdout) == {
+        "config": str(SAMPLE), "valid": True, "errors": [], "warnings": [], "matches": True}
+
+
+@pytest.mark.slurm
+def test_gsbatch_version_names_slurmgpu_too() -> None:
+    from slurmgpu import __version__
+
+    res = subprocess.run([sys.executable, "-c", "import sys; from slurmgpu.apps import gsbatch; "
+                          "sys.exit(gsbatch.main(sys.argv[1:]))", "--version"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0].startswith("slurm")  # sbatch's own line, first and unchanged
+    assert f"gsbatch (slurmgpu) {__version__}" in res.stdout.splitlines()[1:]
