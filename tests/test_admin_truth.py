@@ -85,3 +85,36 @@ def test_gsbatch_version_names_slurmgpu_too() -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[0].startswith("slurm")  # sbatch's own line, first and unchanged
     assert f"gsbatch (slurmgpu) {__version__}" in res.stdout.splitlines()[1:]
+
+
+def test_config_init_sizes_a_card_by_its_node_feature() -> None:
+    import tomllib
+
+    from slurmgpu.apps.config_init import config_text
+    from slurmgpu.slurm.backend import NodeInfo
+
+    nodes = [NodeInfo("gpu1", ("gpu",), {"a100": 4, "v100": 4}, "idle", ("a100", "a100-80gb", "v100")),
+             NodeInfo("gpu2", ("gpu",), {"a100": 4}, "idle", ("a100", "a100-40gb")),
+             NodeInfo("gpu3", ("small",), {"t4": 4}, "idle", ("t4",))]
+    text = config_text(nodes[:1] + nodes[2:], "gpu")
+    types = tomllib.loads(text)["gpu_types"]
+    assert types["a100"]["memory_gib"] == 80 and types["a100"]["features"] == ["a100", "a100-80gb"]
+    assert types["v100"]["features"] == ["v100"] and types["t4"]["features"] == ["t4"]
+    assert "(node feature a100-80gb)" in text
+    assert text.count("half speed, half memory") == 1 and text.count("tensor peak") == 1  # said once, not per type
+    mixed = config_text(nodes, "gpu")
+    assert tomllib.loads(mixed)["gpu_types"]["a100"]["memory_gib"] == 40  # two sizes under one name: the smaller
+    assert "say different sizes (A100-40, A100-80)" in mixed
+
+
+@pytest.mark.slurm
+def test_config_init_on_the_local_cluster_matches_it(tmp_path: Path) -> None:
+    import tomllib
+
+    out = tmp_path / "init.toml"
+    res = CliRunner().invoke(main, ["config", "init", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    a100 = tomllib.loads(out.read_text())["gpu_types"]["a100"]
+    assert a100["memory_gib"] == 80 and "a100-80gb" in a100["features"]  # gpu1 says Features=a100-80gb
+    check = CliRunner().invoke(main, ["--config", str(out), "config", "check"])
+    assert check.exit_code == 0 and check.output.endswith("matches the live cluster\n"), check.output
