@@ -118,3 +118,41 @@ def test_config_init_on_the_local_cluster_matches_it(tmp_path: Path) -> None:
     assert a100["memory_gib"] == 80 and "a100-80gb" in a100["features"]  # gpu1 says Features=a100-80gb
     check = CliRunner().invoke(main, ["--config", str(out), "config", "check"])
     assert check.exit_code == 0 and check.output.endswith("matches the live cluster\n"), check.output
+
+
+def scontrol_config(**fields: str) -> str:
+    base = {"AccountingStorageType": "accounting_storage/slurmdbd", "AccountingStoreFlags": "job_comment",
+            "JobRequeue": "1", "Prolog": "(null)", "Epilog": "(null)", "PrologFlags": "(null)"}
+    return "".join(f"{k:24}= {v}\n" for k, v in {**base, **fields}.items())
+
+
+def test_doctor_checks_collector_accounting_and_retry(tmp_path: Path) -> None:
+    config = load_config(SAMPLE)
+    retrying = config._replace(policy=config.policy._replace(oom_retry=True))
+    (tmp_path / "prolog.d").mkdir()
+    (tmp_path / "prolog.d" / "10-slurmgpu.sh").write_text("exec /usr/local/sbin/slurmgpu-monitor ...\n")
+    (tmp_path / "epilog.sh").write_text("slurmgpu-monitor stop\n")
+    bare = {c.name: c for c in doctor.check_slurm_config(lambda argv: scontrol_config(), config)}
+    assert bare["collector"].status == doctor.WARN and "slurmgpu-monitor never runs" in bare["collector"].detail
+    assert bare["accounting"].status == doctor.OK and "retry" not in bare
+    failing = {c.name: c for c in doctor.check_slurm_config(
+        lambda argv: scontrol_config(AccountingStoreFlags="(null)", JobRequeue="0"), retrying)}
+    assert failing["collector"].status == doctor.FAIL  # retry depends on it
+    assert failing["accounting"].status == doctor.WARN and "job_comment" in failing["accounting"].advice
+    assert failing["retry"].status == doctor.FAIL and "JobRequeue=0" in failing["retry"].detail
+    good = doctor.check_slurm_config(lambda argv: scontrol_config(
+        Prolog=f"{tmp_path}/prolog.d/*", Epilog=f"{tmp_path}/epilog.sh", PrologFlags="Alloc"), retrying)
+    assert [c.status for c in good] == [doctor.OK] * 3, good
+    noalloc = doctor.check_slurm_config(lambda argv: scontrol_config(
+        Prolog=f"{tmp_path}/prolog.d/*", Epilog=f"{tmp_path}/epilog.sh"), config)
+    assert noalloc[0].status == doctor.WARN and "PrologFlags=Alloc" in noalloc[0].advice
+    nodbd = doctor.check_slurm_config(lambda argv: scontrol_config(AccountingStorageType="(null)"), config)
+    assert nodbd[1].status == doctor.FAIL
+
+
+@pytest.mark.slurm
+def test_doctor_says_the_local_cluster_runs_no_collector() -> None:
+    res = CliRunner().invoke(main, ["--config", str(SAMPLE), "doctor", "--json"])
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert checks["collector"]["status"] == "WARN" and "Prolog = (null)" in checks["collector"]["detail"]
+    assert checks["accounting"]["status"] == "OK"  # the local cluster keeps job_comment

@@ -193,6 +193,66 @@ def check_lua_hook(run: Callable[[list[str]], str]) -> Check:
     return Check("lua hook", OK, f"{lua} installed, JobSubmitPlugins=lua")
 
 
+def _mentions(pattern: str, word: str) -> bool:
+    """Whether a Prolog/Epilog setting (a path or a glob of them, as slurm.conf allows) runs a script
+    that names ``word``."""
+    import glob
+
+    for path in sorted(glob.glob(pattern)) or [pattern]:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                if word in fh.read(1 << 20):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def check_slurm_config(run: Callable[[list[str]], str], config: Config | None) -> list[Check]:
+    """What slurmgpu needs of slurm.conf beyond the hook: the collector in Prolog and Epilog (without it
+    no GPU record, no GPU peak, no OOM is ever found), sacct keeping job comments, and, with
+    ``oom_retry`` on, what retry acts on (the collector's OOM finding, requeue allowed)."""
+    try:
+        conf = _scontrol_config(run(["scontrol", "show", "config"]))
+    except Exception as exc:  # noqa: BLE001 - scontrol missing or slurmctld down
+        return [Check("collector", WARN, f"cannot read the Slurm config: {exc}", "check that scontrol works here")]
+    missing = [key for key in ("Prolog", "Epilog")
+               if conf.get(key, "(null)") == "(null)" or not _mentions(conf[key], "slurmgpu-monitor")]
+    retry_on = config is not None and config.policy.oom_retry
+    if missing:
+        shown = ", ".join(f"{k} = {conf.get(k, '(null)')}" for k in missing)
+        collector = Check("collector", FAIL if retry_on else WARN,
+                          f"{shown}: slurmgpu-monitor never runs, so no job gets a GPU record (peak memory, OOM)",
+                          "install contrib/monitor/prolog.sh and epilog.sh as Prolog/Epilog, PrologFlags=Alloc "
+                          "(contrib/monitor/README.md)")
+    elif "alloc" not in conf.get("PrologFlags", "").lower():
+        collector = Check("collector", WARN, f"PrologFlags = {conf.get('PrologFlags', '(null)')}: the collector "
+                                             "starts only with a job's first step", "set PrologFlags=Alloc")
+    else:
+        collector = Check("collector", OK, f"Prolog and Epilog run slurmgpu-monitor ({conf['Prolog']})")
+    flags = {f.strip() for f in conf.get("AccountingStoreFlags", "").split(",")}
+    storage = conf.get("AccountingStorageType", "")
+    if "slurmdbd" not in storage:
+        accounting = Check("accounting", FAIL, f"AccountingStorageType = {storage or '(null)'}: sacct knows no jobs, "
+                                               "so the ingest stores none", "set AccountingStorageType="
+                                               "accounting_storage/slurmdbd and run slurmdbd")
+    elif "job_comment" not in flags:
+        accounting = Check("accounting", WARN, f"AccountingStoreFlags = {conf.get('AccountingStoreFlags') or '(null)'}"
+                                               ": sacct drops every job's Comment (users' and slurmgpu retry's notes)",
+                           "add job_comment to AccountingStoreFlags in slurm.conf")
+    else:
+        accounting = Check("accounting", OK, "slurmdbd keeps jobs and their comments (job_comment)")
+    checks = [collector, accounting]
+    if retry_on:
+        blocked = [why for ok, why in ((not missing, "the collector does not run, so no GPU OOM is ever found"),
+                                       (conf.get("JobRequeue", "1") != "0", "JobRequeue=0 forbids requeueing"))
+                   if not ok]
+        checks.append(Check("retry", FAIL, "oom_retry is on but " + "; ".join(blocked),
+                            "fix the lines above, or set [policy] oom_retry = false") if blocked else
+                      Check("retry", OK, "oom_retry is on: the collector finds GPU OOMs and requeue is allowed"))
+    return checks
+
+
 # The modes of a site's spools (README, "Security model"): users drop submission records the nightly
 # account's group reads (setgid) and only its owner removes (sticky); the collector (root) writes GPU records.
 SPOOL_MODES = {"submission": 0o3733, "GPU": 0o2770}

@@ -104,6 +104,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
                            model_max_age_days),
         doctor.check_daemon(socket_path),
         doctor.check_lua_hook(doctor.run_text),
+        *doctor.check_slurm_config(doctor.run_text, config),
         *(doctor.check_spool(name, path, time.time(), spool_max_age_hours, site=path == configured)
           for name, path, configured in (
               ("submission", submission_spool(subs, os.environ), subs),
