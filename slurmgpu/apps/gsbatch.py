@@ -543,9 +543,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                 return as_written(inv, backend, env, None, f"rewritten script not written ({_fault(exc)})")
             words, data = inv.sbatch_words(out.cli_words, path), None
     _change_notes(inv, out)
-    from slurmgpu.pipeline.decision_tag import tagged_words  # the decision travels in the job's comment
-
-    words = tagged_words(words, p.get("tag"), len(inv.script_args) + (inv.script is not None))
     # Tells the site's job_submit.lua hook that this job was already decided.
     child_env = {**env, **out.env_overrides, DECIDED_MARKER: str(int(time.time()))}
     try:
