@@ -150,7 +150,7 @@ def test_migration_0002_down_and_up_keeps_the_data(db_url: str) -> None:
     """0002 (GPU-OOM outcome, decision ids) goes down to 0001 and up again on every backend, and the
     rows stored before keep their values."""
     engine = db.make_engine(db_url)
-    ingest.load_jobs(engine, [job("1", comment="slurmgpu:d=0123456789ab;m=model")])
+    ingest.load_jobs(engine, [job("1", comment="mine", admin_comment="slurmgpu:d=0123456789ab;m=model")])
     engine.dispose()
     db.downgrade(db_url, "0001")
     assert db.current_revision(db_url) == "0001"
@@ -163,9 +163,8 @@ def test_migration_0002_down_and_up_keeps_the_data(db_url: str) -> None:
     cols = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in ("jobs", "gpu_usage", "submissions")}
     assert {"gpu_oom", "gpu_oom_line"} <= cols["gpu_usage"] and "decision_id" in cols["jobs"] & cols["submissions"]
     with engine.connect() as conn:
-        assert conn.execute(select(db.Job.comment, db.Job.decision_id)).one() == ("slurmgpu:d=0123456789ab;m=model",
-                                                                                   None)
-    again = ingest.load_jobs(engine, [job("1", comment="slurmgpu:d=0123456789ab;m=model")])
+        assert conn.execute(select(db.Job.comment, db.Job.decision_id)).one() == ("mine", None)
+    again = ingest.load_jobs(engine, [job("1", comment="mine", admin_comment="slurmgpu:d=0123456789ab;m=model")])
     assert again.updated == 1  # the next ingest fills the id in
     with engine.connect() as conn:
         assert conn.execute(select(db.Job.decision_id)).scalar() == "0123456789ab"

@@ -286,7 +286,7 @@ def test_doctor_command_without_slurm(tmp_path: Path, sock_dir: str) -> None:
     data = json.loads(res.output)
     statuses = {c["name"]: c["status"] for c in data["checks"]}
     assert statuses == {"config": OK, "cluster": FAIL, "database": OK, "model": WARN, "daemon": WARN,
-                        "lua hook": WARN, "submission spool": WARN, "GPU spool": OK}
+                        "lua hook": WARN, "collector": WARN, "submission spool": WARN, "GPU spool": OK}
     assert res.exit_code == 1 and data["ok"] is False
     plain = CliRunner(env=env).invoke(main, ["--config", str(SAMPLE), "--db", url, "doctor", "--socket",
                                              os.path.join(sock_dir, "none.sock")])

@@ -240,8 +240,9 @@ def test_the_daemon_records_the_hooks_decisions_and_the_tag_links_the_job(db_url
     assert service.health()["records"]["written"] == 1
 
     engine = db.make_engine(db_url)
-    ingest.load_jobs(engine, [job("77", user="alice", comment=decision["tag"]),
-                              job("78", user="mallory", comment=decision["tag"])])  # a copied tag: not alice's
+    ingest.load_jobs(engine, [job("77", user="alice", admin_comment=decision["tag"], comment="alice's own"),
+                              job("78", user="mallory", admin_comment=decision["tag"]),  # not alice's job
+                              job("79", user="alice", comment=decision["tag"])])  # a tag alice wrote herself
     report = ingest.load_submissions(engine, str(spool_dir))
     assert report.files_loaded == 1 and report.decisions_linked == 1
     (sub,) = stored(db_url, db.Submission.__table__)
@@ -257,9 +258,9 @@ def test_a_tag_on_two_jobs_links_neither(tmp_path: Path, spool_dir: Path) -> Non
     db.upgrade(url)
     engine = db.make_engine(url)
     tag = "slurmgpu:d=aaaaaaaaaaaa;m=model"
-    ingest.load_jobs(engine, [job("1", user="alice", comment=tag), job("2", user="alice", comment=tag),
-                              job("3_0", user="alice", comment=tag.replace("a", "b"), array_job_id=3),
-                              job("3_1", user="alice", comment=tag.replace("a", "b"), array_job_id=3)])
+    ingest.load_jobs(engine, [job("1", user="alice", admin_comment=tag), job("2", user="alice", admin_comment=tag),
+                              job("3_0", user="alice", admin_comment=tag.replace("a", "b"), array_job_id=3),
+                              job("3_1", user="alice", admin_comment=tag.replace("a", "b"), array_job_id=3)])
     for decision_id in ("aaaaaaaaaaaa", "bbbbbbbbbbbb"):
         spool.write_record(str(spool_dir), record(None, source="lua", user="alice", uid=1,
                                                   decision={"decider": "model", "id": decision_id}))
@@ -353,7 +354,9 @@ def test_gsbatch_on_the_cluster_stores_the_script_once_with_the_model_version(mo
                        .encode())
     subs = tmp_path / "spool"
     subs.mkdir()
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(config), "SLURMGPU_MODEL": str(model_file),
+    # PYTHONPATH: gsbatch runs this checkout's code, whichever checkout the venv was installed from
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "SLURMGPU_CONFIG": str(config), "SLURMGPU_MODEL": str(model_file),
            "SLURMGPU_SUBMISSION_SPOOL": str(subs), "SLURMGPU_SOCKET": str(tmp_path / "no.sock"),
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
     since = db.utcnow() - timedelta(minutes=1)
@@ -362,9 +365,9 @@ def test_gsbatch_on_the_cluster_stores_the_script_once_with_the_model_version(mo
                              text=True, cwd=tmp_path, env=env, timeout=60, check=False)
         assert res.returncode == 0, res.stderr
         submitted.append(res.stdout.strip().split(";")[0])
-    comments = [subprocess.run(["scontrol", "-o", "show", "job", j], capture_output=True, text=True,
-                               check=True).stdout.split(" Comment=")[1].split()[0] for j in submitted]
-    assert all(c.startswith("slurmgpu:d=") and ";m=model" in c for c in comments), comments
+    infos = [subprocess.run(["scontrol", "-o", "show", "job", j], capture_output=True, text=True,
+                            check=True).stdout for j in submitted]
+    assert not any("slurmgpu:d=" in i for i in infos), infos  # the Comment is the user's; the record names the job
     subprocess.run(["scontrol", "release", *submitted], check=True)  # held jobs are not in sacct's time window
     _wait_ended(submitted)
     url = f"sqlite:///{tmp_path / 'h.db'}"
@@ -381,7 +384,7 @@ def test_gsbatch_on_the_cluster_stores_the_script_once_with_the_model_version(mo
         ("gsbatch", "model", digest, kept["sha256"])}
     engine = db.make_engine(url)
     with engine.connect() as conn:
-        for j in submitted:  # the job's comment tag names the submission's decision
+        for j in submitted:  # the submission record names its job
             got = ingest.decision_of_job(conn, CLUSTER, j)
             assert got and got["job_id"] == j, (j, [(r["job_id"], r["state"], r["user"], r["comment"], r["decision_id"])
                                                     for r in stored(url, db.Job.__table__) if r["job_id"] in submitted],
@@ -410,7 +413,7 @@ def test_the_real_hook_tags_the_job_and_the_daemons_record_links_to_it(site: Any
                           check=True).stdout
     (path,) = subs.iterdir()
     rec = json.loads(path.read_bytes())
-    assert f" Comment=slurmgpu:d={rec['decision']['id']};m=model" in info, info
+    assert f" AdminComment=slurmgpu:d={rec['decision']['id']};m=model" in info, info
     assert (rec["source"], rec["user"], rec["uid"]) == ("lua", "root", 0)
     assert rec["model_version"] == Bundle.load(site.model).digest
     assert rec["script_sha256"] == sha(site.script.read_bytes())  # the hook sent the script as written

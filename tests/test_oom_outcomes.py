@@ -21,7 +21,7 @@ from slurmgpu.history import db, ingest
 from slurmgpu.learning import train
 from slurmgpu.pipeline import spool
 from slurmgpu.pipeline.config import load_config
-from slurmgpu.pipeline.decision_tag import decision_tag, make_tag, parse_tag, tagged_words, with_retry_mark
+from slurmgpu.pipeline.decision_tag import decision_tag, make_tag, parse_tag, with_retry_mark
 from slurmgpu.slurm.sacct import JobRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,11 +102,13 @@ def test_version_1_records_still_load_and_version_2_needs_the_field(tmp_path: Pa
 
 # ---- the store and the learner ----------------------------------------------------------------
 
-def sacct_job(job_id: str, state: str, comment: str | None = None, user: str = "alice") -> JobRecord:
+def sacct_job(job_id: str, state: str, comment: str | None = None, user: str = "alice",
+              admin_comment: str | None = None) -> JobRecord:
     values = dict.fromkeys(ingest.JOB_COLUMNS)
     values.update(cluster="c1", job_id=job_id, job_id_raw=int(job_id), state=state, gpu_count=1, gpu_type="t4",
-                  user=user, submit_time=datetime(2026, 12, 1, 10), elapsed_s=40, comment=comment)
-    values.pop("decision_id")  # sacct's rows do not have it: the ingest reads it from the comment
+                  user=user, submit_time=datetime(2026, 12, 1, 10), elapsed_s=40, comment=comment,
+                  admin_comment=admin_comment)
+    values.pop("decision_id")  # sacct's rows do not have it: the ingest reads it from the AdminComment
     return JobRecord(values, 1)
 
 
@@ -157,19 +159,6 @@ def test_tag_format_round_trip_and_retry_mark() -> None:
     assert decision_tag(kept, "0123456789ab", "a100", 1) == "slurmgpu:d=0123456789ab;m=model;p=8.8;t=10"
 
 
-def test_tagged_words_go_after_the_options_and_never_over_a_comment() -> None:
-    tag = make_tag("0123456789ab", "model")
-    assert tagged_words(["--parsable", "job.sh", "arg1"], tag, 2) == ["--parsable", f"--comment={tag}", "job.sh",
-                                                                      "arg1"]
-    assert tagged_words(["--wrap", "hostname"], tag, 0) == ["--wrap", "hostname", f"--comment={tag}"]
-    assert tagged_words(["--comment=mine", "job.sh"], tag, 1) == ["--comment=mine", "job.sh"]
-    assert tagged_words(["job.sh"], "slurmgpu:d=1;rm -rf", 1) == ["job.sh"]  # a malformed tag is not sent
-    assert tagged_words(["job.sh"], None, 1) == ["job.sh"]
-    # after '--' every word is the script or its arguments: the tag goes before it
-    assert tagged_words(["--hold", "--", "job.sh", "x"], tag, 2) == ["--hold", f"--comment={tag}", "--", "job.sh", "x"]
-    assert tagged_words(["job.sh", "--comment=x"], tag, 2) == [f"--comment={tag}", "job.sh", "--comment=x"]  # an arg
-
-
 def test_ingest_links_a_job_to_its_decision_only_for_the_same_user(db_url: str, tmp_path: Path) -> None:
     engine = db.make_engine(db_url)
     me = pwd.getpwuid(os.getuid()).pw_name
@@ -179,17 +168,19 @@ def test_ingest_links_a_job_to_its_decision_only_for_the_same_user(db_url: str, 
     spool.write_record(str(spool_dir), spool.new_record(
         cluster="c1", job_id="10", script_sha256=None, sbatch_exit=0, features={}, original_request={},
         decision={"decider": "model", "changed": False, "id": "00000000abcd"}, changed=False))
-    ingest.load_jobs(engine, [sacct_job("10", "COMPLETED", tag, user=me),
-                              sacct_job("11", "COMPLETED", tag, user="mallory"),  # copied someone's tag
-                              sacct_job("12", "COMPLETED", "script:python x.py", user=me)])
+    ingest.load_jobs(engine, [sacct_job("10", "COMPLETED", "my own words", user=me, admin_comment=tag),
+                              sacct_job("11", "COMPLETED", user="mallory", admin_comment=tag),  # not the user's
+                              sacct_job("12", "COMPLETED", "script:python x.py", user=me),
+                              sacct_job("13", "COMPLETED", tag, user=me)])  # a tag the user wrote: not believed
     assert ingest.load_submissions(engine, str(spool_dir)).files_loaded == 1
     with engine.connect() as conn:
         ids = dict(conn.execute(select(db.Job.job_id, db.Job.decision_id)).all())
-        assert ids == {"10": "00000000abcd", "11": "00000000abcd", "12": None}
+        assert ids == {"10": "00000000abcd", "11": "00000000abcd", "12": None, "13": None}
         linked = ingest.decision_of_job(conn, "c1", "10")
         assert linked is not None and linked["decision_id"] == "00000000abcd" and linked["job_id"] == "10"
-        assert ingest.decision_of_job(conn, "c1", "11") is None
-        assert ingest.decision_of_job(conn, "c1", "12") is None
+        assert conn.execute(select(db.Job.comment).where(db.Job.job_id == "10")).scalar() == "my own words"
+        for other in ("11", "12", "13"):
+            assert ingest.decision_of_job(conn, "c1", other) is None
         assert conn.execute(select(db.Job.comment).where(db.Job.job_id == "12")).scalar() == "script:python x.py"
 
 
@@ -299,8 +290,9 @@ def test_live_gsbatch_job_carries_its_decision_tag_into_sacct_and_the_store(tmp_
     time.sleep(2)
     comment = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "Comment", "-j", job_id], capture_output=True,
                              text=True, check=True).stdout.strip()
-    fields = parse_tag(comment)
-    assert fields is not None and fields["m"] == "model" and fields["p"] == "5.0" and fields["t"] == "2", comment
+    assert comment == ""  # the Comment is the user's: gsbatch's record names the job instead
+    record = json.loads(next(spool_dir.iterdir()).read_text())
+    fields = {"d": record["decision"]["id"]}
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)
     res = _ingest(url, started, SLURMGPU_SUBMISSION_SPOOL=str(spool_dir), SLURMGPU_GPU_SPOOL=str(tmp_path / "none"))

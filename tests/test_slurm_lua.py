@@ -497,6 +497,31 @@ def test_a_plain_sbatch_job_gets_the_decided_gpus(site: Site) -> None:
 
 
 @pytest.mark.slurm
+def test_the_hook_tags_admin_comment_and_leaves_the_users_comment(site: Site, tmp_path: Path) -> None:
+    """The tag once went into Comment, and only when the user had none: a user's own --comment meant no
+    tag, and a tag the user wrote there was read as the hook's. Now it is AdminComment, which no user can
+    set, beside the user's Comment; sacct keeps both."""
+    service = serve.Service(site.config, site.model, lambda: BUSY_A100, reload_s=0.2, record_spool=str(tmp_path))
+    service.refresh_free()  # a recording daemon: its model decisions carry a tag
+    with daemon(site.socket, service, serve_socket.access_for("slurm", "slurm", None)):
+        sbatch(site, "-p", "debug", "--gres=gpu:a100:4", "--comment=my own words")
+        assert service.records is not None and service.records.flush()
+    info = subprocess.run(["scontrol", "-o", "show", "job", site.jobs[-1]], capture_output=True, text=True,
+                          check=True).stdout
+    assert " Comment=my own words " in info, info
+    tag = re.search(r" AdminComment=(\S+) ", info)
+    assert tag and tag.group(1).startswith("slurmgpu:d=") and ";m=model" in tag.group(1), info
+    subprocess.run(["scancel", site.jobs[-1]], check=True)  # a held job's accounting row is filled when it ends
+    deadline = time.monotonic() + 30
+    row = ""
+    while time.monotonic() < deadline and not row.startswith(tag.group(1)):
+        row = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "AdminComment,Comment", "-j", site.jobs[-1]],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        time.sleep(0.5)
+    assert row == f"{tag.group(1)}|my own words", row
+
+
+@pytest.mark.slurm
 @pytest.mark.parametrize("export", [[], ["--export=NONE"]], ids=["export-all", "export-none"])
 def test_a_job_gsbatch_decided_is_not_decided_twice(site: Site, export: list[str]) -> None:
     with site_daemon(site):

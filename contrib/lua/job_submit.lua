@@ -343,13 +343,14 @@ local function waiver_for(job_desc, family)
     return nil
 end
 
--- The daemon's decision tag (slurmgpu:d=<id>;m=model;...) goes into the job's comment when the job has
--- none, as gsbatch puts its own: sacct keeps the comment, and the ingest links the job to the daemon's
--- record of this decision (its source, model version and script). A user's comment is never replaced.
+-- The daemon's decision tag (slurmgpu:d=<id>;m=model;...) goes into the job's AdminComment, which no user
+-- can set (sbatch has no option for it, scontrol update refuses it to users): sacct keeps it, and the
+-- ingest links the job to the daemon's record of this decision (its source, model version and script).
+-- The user's own Comment is theirs, untouched; an admin's AdminComment is never replaced.
 local function tag_job(job_desc, decision)
     local tag = decision.tag
     if type(tag) ~= "string" or #tag > 80 or not tag:match("^slurmgpu:d=%x+;m=[%w.%-]+[%w.;=]*$") then return end
-    if job_desc.comment == nil or job_desc.comment == "" then job_desc.comment = tag end
+    if job_desc.admin_comment == nil or job_desc.admin_comment == "" then job_desc.admin_comment = tag end
 end
 
 local function describe(changes)

@@ -43,6 +43,32 @@ def known_gpu(gres_type: str) -> tuple[GpuSpec | None, str]:
     return spec, f"from the {spec.name} datasheet"
 
 
+def size_features(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
+    """Node features of the nodes holding ``gres_type`` that name it with more words (``a100-80gb`` for
+    ``a100``): a site that says the size there has told us which card it is, and its users may ask
+    for it by that name (``--constraint``)."""
+    t = gres_type.lower()
+    return sorted({f for n in nodes if n.gpus.get(gres_type) for f in getattr(n, "features", ())
+                   if f.lower() != t and re.match(rf"{re.escape(t)}[-_.]", f.lower())})
+
+
+def _typed(gres_type: str, nodes: Sequence[NodeInfo]) -> tuple[GpuSpec | None, str]:
+    """The datasheet of a type, sized by its nodes' features when the gres name does not say."""
+    spec, why = known_gpu(gres_type)
+    sized = {}
+    for feature in size_features(gres_type, nodes):
+        found, how = known_gpu(feature)
+        if found is not None and how.startswith("from the"):
+            sized[found.name] = (found, f"{how} (node feature {feature})")
+    if spec is None or not sized or why.startswith("from the"):  # unknown, or the gres name says it
+        return spec, why
+    if len(sized) == 1:
+        return next(iter(sized.values()))
+    smallest = min((s for s, _ in sized.values()), key=lambda s: s.memory_gib)
+    return smallest, (f"nodes holding {gres_type!r} say different sizes ({', '.join(sorted(sized))}): the "
+                      f"smallest ({smallest.name}) is assumed; split the type in gres.conf")
+
+
 def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluster: str | None = None) -> str:
     """The TOML of a starting config describing NODES (as the Slurm backend reports them)."""
     types = sorted({t for n in nodes for t in n.gpus if t})
@@ -52,22 +78,24 @@ def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluste
         for p in n.partitions:
             parts.setdefault(p, []).append(n)
     out = ["# Written by `slurmgpu config init` from the live cluster. Lines marked 'review' are not",
-           "# Slurm's: check them against your hardware, then run `slurmgpu config check`.", "",
+           "# Slurm's: check them against your hardware, then run `slurmgpu config check`.",
+           "# relative_speed: vs an A100-80 by tensor peak and memory bandwidth (datasheets);",
+           "# cost: half speed, half memory vs an A100-80. Put your own figures where you have them.", "",
            "[site]", f'cluster = "{cluster}"' if cluster else '# cluster = "..."  # ClusterName in slurm.conf', "",
            "[policy]", 'decider = "rules"', ""]
     if untyped:
         out += [f"# Nodes {', '.join(untyped)} offer GPUs without a type: give them Type= in gres.conf so",
                 "# slurmgpu can tell them apart.", ""]
     for t in types:
-        spec, why = known_gpu(t)
+        spec, why = _typed(t, nodes)
         out.append(f"[gpu_types.{t}]")
         if spec is None:
             out += [f"memory_gib = 0  # review: {why}", "relative_speed = 1.0  # review", "cost = 1.0  # review"]
         else:
             out += [f"memory_gib = {spec.memory_gib:g}  # review: {why}",
-                    f"relative_speed = {relative_speed(spec):.3f}  # review: vs A100-80, tensor peak and bandwidth",
-                    f"cost = {relative_cost(spec):.3f}  # review: half speed, half memory vs A100-80"]
-        out += [f'features = ["{t}"]', ""]
+                    f"relative_speed = {relative_speed(spec):.3f}  # review",
+                    f"cost = {relative_cost(spec):.3f}  # review"]
+        out += ["features = [" + ", ".join(f'"{f}"' for f in (t, *size_features(t, nodes))) + "]", ""]
     for name in sorted(parts):
         members = parts[name]
         offered = sorted({t for n in members for t in n.gpus if t})

@@ -7,12 +7,14 @@ real ones. A check never raises: whatever goes wrong becomes its FAIL or WARN li
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import socket
 import stat
-from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+import subprocess
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.config import Config
@@ -29,6 +31,17 @@ class Check(NamedTuple):
     status: str  # OK, WARN or FAIL
     detail: str  # what was found
     advice: str = ""  # one line: what to do about it (empty when OK)
+
+
+def run_text(argv: list[str]) -> str:
+    """A Slurm command's standard output; its error line as the exception when it fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"{argv[0]}: {exc}") from None
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or 'exit ' + str(res.returncode)}")
+    return res.stdout
 
 
 def exit_status(checks: Sequence[Check]) -> int:
@@ -180,6 +193,66 @@ def check_lua_hook(run: Callable[[list[str]], str]) -> Check:
     return Check("lua hook", OK, f"{lua} installed, JobSubmitPlugins=lua")
 
 
+def _mentions(pattern: str, word: str) -> bool:
+    """Whether a Prolog/Epilog setting (a path or a glob of them, as slurm.conf allows) runs a script
+    that names ``word``."""
+    import glob
+
+    for path in sorted(glob.glob(pattern)) or [pattern]:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                if word in fh.read(1 << 20):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def check_slurm_config(run: Callable[[list[str]], str], config: Config | None) -> list[Check]:
+    """What slurmgpu needs of slurm.conf beyond the hook: the collector in Prolog and Epilog (without it
+    no GPU record, no GPU peak, no OOM is ever found), sacct keeping job comments, and, with
+    ``oom_retry`` on, what retry acts on (the collector's OOM finding, requeue allowed)."""
+    try:
+        conf = _scontrol_config(run(["scontrol", "show", "config"]))
+    except Exception as exc:  # noqa: BLE001 - scontrol missing or slurmctld down
+        return [Check("collector", WARN, f"cannot read the Slurm config: {exc}", "check that scontrol works here")]
+    missing = [key for key in ("Prolog", "Epilog")
+               if conf.get(key, "(null)") == "(null)" or not _mentions(conf[key], "slurmgpu-monitor")]
+    retry_on = config is not None and config.policy.oom_retry
+    if missing:
+        shown = ", ".join(f"{k} = {conf.get(k, '(null)')}" for k in missing)
+        collector = Check("collector", FAIL if retry_on else WARN,
+                          f"{shown}: slurmgpu-monitor never runs, so no job gets a GPU record (peak memory, OOM)",
+                          "install contrib/monitor/prolog.sh and epilog.sh as Prolog/Epilog, PrologFlags=Alloc "
+                          "(contrib/monitor/README.md)")
+    elif "alloc" not in conf.get("PrologFlags", "").lower():
+        collector = Check("collector", WARN, f"PrologFlags = {conf.get('PrologFlags', '(null)')}: the collector "
+                                             "starts only with a job's first step", "set PrologFlags=Alloc")
+    else:
+        collector = Check("collector", OK, f"Prolog and Epilog run slurmgpu-monitor ({conf['Prolog']})")
+    flags = {f.strip() for f in conf.get("AccountingStoreFlags", "").split(",")}
+    storage = conf.get("AccountingStorageType", "")
+    if "slurmdbd" not in storage:
+        accounting = Check("accounting", FAIL, f"AccountingStorageType = {storage or '(null)'}: sacct knows no jobs, "
+                                               "so the ingest stores none", "set AccountingStorageType="
+                                               "accounting_storage/slurmdbd and run slurmdbd")
+    elif "job_comment" not in flags:
+        accounting = Check("accounting", WARN, f"AccountingStoreFlags = {conf.get('AccountingStoreFlags') or '(null)'}"
+                                               ": sacct drops every job's Comment (users' and slurmgpu retry's notes)",
+                           "add job_comment to AccountingStoreFlags in slurm.conf")
+    else:
+        accounting = Check("accounting", OK, "slurmdbd keeps jobs and their comments (job_comment)")
+    checks = [collector, accounting]
+    if retry_on:
+        blocked = [why for ok, why in ((not missing, "the collector does not run, so no GPU OOM is ever found"),
+                                       (conf.get("JobRequeue", "1") != "0", "JobRequeue=0 forbids requeueing"))
+                   if not ok]
+        checks.append(Check("retry", FAIL, "oom_retry is on but " + "; ".join(blocked),
+                            "fix the lines above, or set [policy] oom_retry = false") if blocked else
+                      Check("retry", OK, "oom_retry is on: the collector finds GPU OOMs and requeue is allowed"))
+    return checks
+
+
 # The modes of a site's spools (README, "Security model"): users drop submission records the nightly
 # account's group reads (setgid) and only its owner removes (sticky); the collector (root) writes GPU records.
 SPOOL_MODES = {"submission": 0o3733, "GPU": 0o2770}
@@ -295,3 +368,54 @@ def compare_with_cluster(config: Config, nodes: list[Any]) -> list[str]:
                                 f"node holds no {gtype}: remove {feature!r} from [gpu_types.{gtype}].features "
                                 f"or from the node's Features")
     return problems
+
+
+class Names(NamedTuple):
+    """The names the cluster knows: partitions from slurmctld; users and accounts from the accounting
+    database (None when it could not be asked, with why), since that is where Slurm charges a job."""
+
+    partitions: frozenset[str]
+    users: frozenset[str] | None
+    accounts: frozenset[str] | None
+    unasked: str = ""
+
+
+def cluster_names(run: Callable[[list[str]], str]) -> Names:
+    """Ask sinfo for the partitions and sacctmgr for the users and accounts (a failure of sinfo raises:
+    nothing can be compared without slurmctld)."""
+    partitions = frozenset(run(["sinfo", "-h", "-o", "%R"]).split())
+    try:
+        users = frozenset(run(["sacctmgr", "-nP", "show", "user", "format=user"]).split())
+        accounts = frozenset(run(["sacctmgr", "-nP", "show", "account", "format=account"]).split())
+    except Exception as exc:  # noqa: BLE001 - no slurmdbd: the names go unchecked, and the check says so
+        return Names(partitions, None, None, str(exc))
+    return Names(partitions, users, accounts)
+
+
+def _unknown(kind: str, where: str, name: str, known: Iterable[str], source: str) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f": did you mean {close[0]!r}?" if close else f": fix or remove it in {where}"
+    return f"{where}: {kind} {name!r} is not known to {source}{hint}"
+
+
+def name_problems(config: Config, names: Names) -> list[str]:
+    """Every partition, user and account the modes and waivers name that the cluster does not know
+    (a misspelt name silently matches no job, so its mode or waiver never applies)."""
+    problems = [_unknown("partition", "[policy.modes] partitions", p, names.partitions, "Slurm (sinfo)")
+                for p in config.modes.partitions if p not in names.partitions]
+    for kind, known, entries in (
+            ("user", names.users, [("[policy.modes] users", n) for n in config.modes.users]
+             + [(f"waivers[{i}].user", w.user) for i, w in enumerate(config.waivers) if w.user]),
+            ("account", names.accounts, [("[policy.modes] accounts", n) for n in config.modes.accounts]
+             + [(f"waivers[{i}].account", w.account) for i, w in enumerate(config.waivers) if w.account])):
+        if known is not None:
+            problems += [_unknown(kind, where, name, known, "the accounting database (sacctmgr)")
+                         for where, name in entries if name not in known]
+    return problems
+
+
+def expired_waivers(config: Config, today: date) -> list[str]:
+    """Waivers past their day: harmless (they no longer apply) but no longer what the file says."""
+    return [f"waivers[{i}] ({w.user or w.account}, family {w.family}) expired on {w.expires.isoformat()}: "
+            "it no longer applies; remove it or extend expires" for i, w in enumerate(config.waivers)
+            if w.expires < today]

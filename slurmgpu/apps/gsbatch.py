@@ -117,6 +117,13 @@ def unrecognized(name: str) -> str:
     return f"command line: {what}" + (f" (did you mean {near}?)" if near else "")
 
 
+def _own_version() -> str:
+    """slurmgpu's version under sbatch's: a bug report needs both."""
+    from slurmgpu import __version__
+
+    return f"gsbatch (slurmgpu) {__version__}\n"
+
+
 def _note(stream: TextIO | None, kind: str, text: str) -> None:
     """One line on stderr, whatever the text holds (a daemon's reasons, a path: no control
     character reaches the terminal); a closed or broken stderr loses the line, never the job (and
@@ -543,11 +550,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return run_sbatch(backend, argv, env).code
     if inv.pass_through:
         code = run_sbatch(backend, inv.sbatch_words(), env).code
-        if {"--help", "-h"} & set(inv.options):
-            try:
-                print(HELP, end="")
-            except (OSError, ValueError, AttributeError):
-                pass
+        asked = set(inv.options)
+        ours = HELP if {"--help", "-h"} & asked else _own_version() if {"--version", "-V"} & asked else ""
+        try:
+            print(ours, end="")
+        except (OSError, ValueError, AttributeError):
+            pass
         return code
     stdin_data = None
     if inv.script is None and not inv.wrap:
@@ -612,9 +620,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                 return as_written(inv, backend, env, None, f"rewritten script not written ({_fault(exc)})")
             words, data = inv.sbatch_words(out.cli_words, path), None
     _change_notes(inv, out)
-    from slurmgpu.pipeline.decision_tag import tagged_words  # the decision travels in the job's comment
-
-    words = tagged_words(words, p.get("tag"), len(inv.script_args) + (inv.script is not None))
     # Tells the site's job_submit.lua hook that this job was already decided.
     child_env = {**env, **out.env_overrides, DECIDED_MARKER: str(int(time.time()))}
     try:

@@ -268,7 +268,7 @@ class DecisionRecords:
     The request path only queues; a thread builds and writes each record (script features, the
     hash, an fsync'd file), so a slow disk never holds slurmctld. A full queue drops records
     (counted, logged), never a request. The job id is not known yet when slurmctld asks: a model
-    decision carries a decision id, and its tag in the job's comment links the job to the record.
+    decision carries a decision id, and its tag in the job's AdminComment links the job to the record.
     Each queued item is a function that builds the record: a request answered in a child process
     (serve_socket) has its records built there (``sink``) and queued here already built."""
 
@@ -286,7 +286,7 @@ class DecisionRecords:
     def add(self, decision: dict[str, Any], job: Mapping[str, Any], request: JobRequest,
             who: Who) -> dict[str, Any]:
         """Queue the decision's record; returns the reply with the decision id and, where the hook
-        should put it in the job's comment, the tag (model decisions it applies, as gsbatch tags)."""
+        should put it in the job's AdminComment, the tag (model decisions it applies)."""
         if who.name is None and who.uid is None:
             return decision  # nobody to attribute it to: not recorded
         out = {**decision, "id": new_decision_id()}

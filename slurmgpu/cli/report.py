@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timedelta
@@ -110,7 +109,8 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
                            _trained_at(url) if database.status == doctor.OK else None, db.utcnow(),
                            model_max_age_days),
         doctor.check_daemon(socket_path),
-        doctor.check_lua_hook(_run),
+        doctor.check_lua_hook(doctor.run_text),
+        *doctor.check_slurm_config(doctor.run_text, config),
         *(doctor.check_spool(name, path, time.time(), spool_max_age_hours, site=path == configured)
           for name, path, configured in (
               ("submission", submission_spool(subs, os.environ), subs),
@@ -148,10 +148,3 @@ def _trained_at(url: str) -> datetime | None:
         return None
     finally:
         engine.dispose()
-
-
-def _run(argv: list[str]) -> str:
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=15, check=False)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or 'exit ' + str(res.returncode)}")
-    return res.stdout

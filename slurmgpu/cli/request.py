@@ -62,24 +62,43 @@ def config_group() -> None:
 
 @config_group.command("check")
 @click.option("--offline", is_flag=True, help="Validate the file only; do not ask the cluster.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (errors, warnings, matches).")
 @click.pass_context
-def config_check(ctx: click.Context, offline: bool) -> None:
-    """Validate the config, then compare it with the live cluster's partitions and GPUs."""
+def config_check(ctx: click.Context, offline: bool, as_json: bool) -> None:
+    """Validate the config, then compare it with the live cluster: partitions and GPUs (sinfo), and
+    every partition, user and account its modes and waivers name (sinfo, sacctmgr). Every problem
+    found is listed in one run; exit 1 when there is any."""
+    from datetime import date
+
+    from slurmgpu.apps.doctor import cluster_names, expired_waivers, name_problems, run_text
+
     config = site_config(ctx)
     assert config is not None
-    click.echo(f"{config.path}: valid ({len(config.gpu_types)} GPU types, {len(config.partitions)} partitions)")
-    if offline:
-        return
-    try:
-        nodes = select_backend().nodes()
-    except SlurmError as exc:
-        fail(exc)
-    problems = compare_with_cluster(config, nodes)
-    for p in problems:
-        click.echo(f"mismatch: {p}")
-    if problems:
+    errors: list[str] = []
+    warnings = expired_waivers(config, date.today())
+    if not offline:
+        try:
+            errors += compare_with_cluster(config, select_backend().nodes())
+            names = cluster_names(run_text)
+        except (SlurmError, RuntimeError) as exc:
+            fail(exc if isinstance(exc, SlurmError) else SlurmError(str(exc)))
+        errors += name_problems(config, names)
+        if names.unasked:
+            warnings.append(f"users and accounts not checked: {names.unasked}")
+    valid = f"{config.path}: valid ({len(config.gpu_types)} GPU types, {len(config.partitions)} partitions)"
+    if as_json:
+        click.echo(json.dumps({"config": config.path, "valid": True, "errors": errors, "warnings": warnings,
+                               "matches": None if offline else not errors}, indent=2))
+    else:
+        click.echo(valid)
+        for line in warnings:
+            click.echo(f"warning: {line}")
+        for line in errors:
+            click.echo(f"mismatch: {line}")
+        if not offline and not errors:
+            click.echo("matches the live cluster")
+    if errors:
         sys.exit(1)
-    click.echo("matches the live cluster")
 
 
 @config_group.command("init")

@@ -90,7 +90,7 @@ class Job(Base):
     comment: Mapped[str | None] = mapped_column(Text)
     sacct_gpu_mem_mib: Mapped[float | None] = mapped_column(Float)  # steps' TRESUsageInMax gres/gpumem
     sacct_gpu_util: Mapped[float | None] = mapped_column(Float)  # steps' TRESUsageInMax gres/gpuutil
-    # gsbatch's decision, from the "slurmgpu:d=<id>;..." tag in the comment (links to submissions.decision_id)
+    # the hook's decision, from the "slurmgpu:d=<id>;..." tag in AdminComment (links to submissions.decision_id)
     decision_id: Mapped[str | None] = mapped_column(String(12), index=True)
     # The job this one retries (``slurmgpu retry`` after a GPU OOM; migration 0004): set by retry, never by sacct
     retry_of: Mapped[str | None] = mapped_column(String(64))
@@ -144,7 +144,7 @@ class Submission(Base):
     original_request: Mapped[Any] = mapped_column(JSON)
     decision: Mapped[Any] = mapped_column(JSON)
     changed: Mapped[bool] = mapped_column(Boolean, default=False)
-    decision_id: Mapped[str | None] = mapped_column(String(12), index=True)  # in the job's comment tag too
+    decision_id: Mapped[str | None] = mapped_column(String(12), index=True)  # in the job's AdminComment tag too (hook)
     # Lineage (migration 0003): who decided ("gsbatch", or "lua": the daemon for slurmctld's hook), with
     # which decider ("model", "rules", "keep") and model bundle (Bundle.digest; None for rules and keep).
     # The script's text, when the record carried it, is in job_scripts under script_sha256.

@@ -135,18 +135,23 @@ def _chunks(items: Iterable[sacct.JobRecord | sacct.RowError], size: int,
 
 
 def with_decision_id(values: dict[str, Any]) -> dict[str, Any]:
-    """A job row with the decision id of gsbatch's tag in its comment (``slurmgpu:d=...``), else None.
-    Only a comment that is exactly a tag counts; a ``script:`` import or a user's text gives None."""
-    fields = parse_tag(values.get("comment"))
-    return {**values, "decision_id": fields["d"] if fields else None}
+    """A job row with the decision id of the hook's tag in its AdminComment (``slurmgpu:d=...``), else
+    None. Only slurmctld (the hook) and admins can set AdminComment; a tag in the user's own Comment is
+    the user's text, never believed."""
+    if "admin_comment" not in values:  # not a sacct row (an import), or already read
+        return {**values, "decision_id": values.get("decision_id")}
+    fields = parse_tag(values["admin_comment"])
+    return {**{k: v for k, v in values.items() if k != "admin_comment"}, "decision_id": fields["d"] if fields else None}
 
 
 def decision_of_job(conn: Connection, cluster: str, job_id: str) -> dict[str, Any] | None:
-    """The submission record a job's decision tag names, if its user is the job's user (a user can
-    write any comment, so a tag alone never attaches someone else's decision to a job)."""
+    """The submission record of a job's decision, of the job's own user: gsbatch's record names its job
+    (the file's owner was checked against the job's user when it was stored); the hook's decision is
+    the one its tag in the job's AdminComment names."""
     sub = cast(Table, Submission.__table__)
+    own = (sub.c.source == "gsbatch") & (sub.c.job_id == JOBS.c.job_id)
     row = conn.execute(select(sub.c.record_id, sub.c.decision_id, sub.c.job_id, sub.c.decision, sub.c.user)
-                       .join(JOBS, (JOBS.c.decision_id == sub.c.decision_id) & (JOBS.c.user == sub.c.user))
+                       .join(JOBS, ((JOBS.c.decision_id == sub.c.decision_id) | own) & (JOBS.c.user == sub.c.user))
                        .where(JOBS.c.cluster == cluster, JOBS.c.job_id == job_id,
                               sub.c.cluster.in_([cluster, "default"]))).first()  # "default": gsbatch had no cluster
     return dict(row._mapping) if row else None
@@ -203,7 +208,7 @@ def sacct_command(since: datetime, until: datetime, cluster: str | None = None) 
         return t.replace(tzinfo=UTC).astimezone().strftime("%Y-%m-%dT%H:%M:%S")
 
     argv = ["sacct", "--allusers", "--parsable2", "--noheader", f"--delimiter={sacct.LIVE_DELIMITER}",
-            f"--format={','.join(sacct.FIELDS)}", f"--starttime={local(since)}", f"--endtime={local(until)}"]
+            f"--format={','.join(sacct.LIVE_FIELDS)}", f"--starttime={local(since)}", f"--endtime={local(until)}"]
     if cluster:
         argv.append(f"--clusters={cluster}")
     return argv
@@ -233,7 +238,7 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
                             errors="surrogateescape")
     assert proc.stdout is not None and proc.stderr is not None
     try:
-        report = load_jobs(engine, sacct.parse_lines(proc.stdout, sacct.FIELDS, sacct.LIVE_DELIMITER, cluster,
+        report = load_jobs(engine, sacct.parse_lines(proc.stdout, sacct.LIVE_FIELDS, sacct.LIVE_DELIMITER, cluster,
                                                      summed), on_chunk=on_chunk)
     finally:
         proc.stdout.close()
@@ -673,8 +678,8 @@ LINK_WINDOW = timedelta(days=30)  # the daemon's decisions still looked for amon
 
 def link_decisions(engine: Engine, now: datetime | None = None) -> int:
     """Give the Lua hook's recorded decisions (no job id when slurmctld asked) the job their decision
-    tag went into: the job whose comment carries the decision id, of the user the decision was for
-    (anyone can write any comment). An array's tasks or a hetjob's components count as their job;
+    tag went into: the job whose AdminComment carries the decision id (only the hook, in slurmctld, sets
+    it), of the user the decision was for. An array's tasks or a hetjob's components count as their job;
     a decision id found on two different jobs (a user copied the tag) links to neither. Returns how
     many were linked."""
     now = now or utcnow()

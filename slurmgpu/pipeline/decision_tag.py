@@ -1,9 +1,11 @@
-"""The decision tag: a short record of gsbatch's decision that travels with the job in its comment.
+"""The decision tag: a short record of a decision that travels with the job in its AdminComment.
 
 ``slurmgpu:d=<decision id>;m=<decider>;p=<predicted peak GiB per GPU>;t=<predicted minutes>`` (p and t
-only when the model predicted them; ``r=1`` on the new job ``slurmgpu retry`` submits for it). With
-``AccountingStoreFlags=job_comment`` sacct keeps it as the job's Comment, so the ingest links each
-job to the submission record of the decision that placed it. Never set over a user's own comment.
+only when the model predicted them; ``r=1`` on the new job ``slurmgpu retry`` submits for it). The hook
+sets it in the job's AdminComment, which users cannot set (sbatch has no option for it; ``scontrol
+update`` refuses it to them) and sacct keeps, so the ingest links the job to the daemon's record of the
+decision. gsbatch, running as the user, cannot set it: its record names its job instead, and carries
+the tag's decision id. A tag in the user's Comment is the user's text and never believed.
 """
 
 from __future__ import annotations
@@ -61,15 +63,3 @@ def decision_tag(decision: Mapping[str, Any], decision_id: str, asked_type: str 
     runtime = pick.get("pred_runtime_s") if pick else None
     return make_tag(decision_id, decider, peak / 1024 if isinstance(peak, int | float) else None,
                     runtime / 60 if isinstance(runtime, int | float) else None)
-
-
-def tagged_words(words: list[str], tag: object, operands: int) -> list[str]:
-    """sbatch's words with ``--comment=<tag>`` after the options (before the last ``operands`` words:
-    the script and its arguments); unchanged when ``tag`` is not a well-formed tag (a daemon's plan
-    is not believed blindly)."""
-    cut = len(words) - operands
-    if not isinstance(tag, str) or parse_tag(tag) is None or any(w.startswith("--comment") for w in words[:cut]):
-        return words
-    if words[cut - 1:cut] == ["--"]:  # 'sbatch ... -- job.sh': an option after the '--' is the script
-        cut -= 1
-    return [*words[:cut], f"--comment={tag}", *words[cut:]]

@@ -70,7 +70,7 @@ def make_plan(script: BatchScript | None, options: Sequence[str], env: Mapping[s
         decision = Decision(refusal=ask.refusal(f"the GPU request cannot be rewritten ({exc})"),
                             decider=decision.decider)
         submission = apply(request, decision)
-    return Plan(request, decision, submission, tag=_tag(request, decision, script, options))
+    return Plan(request, decision, submission, tag=_tag(request, decision))
 
 
 def unread_plan(why: str, text: str, options: Sequence[str]) -> Plan:
@@ -80,13 +80,12 @@ def unread_plan(why: str, text: str, options: Sequence[str]) -> Plan:
                 unread=f"{why}: not read, submitted as written")
 
 
-def _tag(request: JobRequest, decision: Decision, script: BatchScript | None, options: Sequence[str]) -> str | None:
-    """The decision tag (``pipeline.decision_tag``) for the model's decisions, unless the job has a comment."""
+def _tag(request: JobRequest, decision: Decision) -> str | None:
+    """The decision tag (``pipeline.decision_tag``) of the model's decisions: its id goes into the record,
+    which names the job; the job's Comment stays the user's."""
     from slurmgpu.pipeline.decision_tag import decision_tag, new_decision_id
-    from slurmgpu.pipeline.sbatch_options import split_options
 
-    if decision.decider != "model" or any(d.name == "comment" for d in (script.directives if script else ())) \
-            or any(o.name == "comment" for o in split_options(list(options))[0]):
+    if decision.decider != "model":
         return None
     main = request.main
     return decision_tag(decision.to_json(), new_decision_id(), main.gpu_type, main.gpus_total)

@@ -22,6 +22,9 @@ FIELDS = (
     "End", "Elapsed", "Timelimit", "State", "ExitCode", "ReqTRES", "AllocTRES", "NNodes", "NCPUS", "ReqMem",
     "MaxRSS", "TRESUsageInMax", "NodeList", "JobName", "Comment",
 )
+# The live ingest also reads AdminComment, where the hook's decision tag is (users cannot set it);
+# an export without it (the FIELDS above) simply has no tags.
+LIVE_FIELDS = (*FIELDS[:-1], "AdminComment", "Comment")
 REQUIRED = ("JobID", "State")
 LIVE_DELIMITER = "\x1f"
 
@@ -175,6 +178,7 @@ def _job_values(row: dict[str, str], cluster: str | None) -> dict[str, Any]:
         "max_rss_mb": parse_size_mib(row.get("MaxRSS", ""), "MaxRSS"),
         "node_list": None if row.get("NodeList", "") in _NONE else row["NodeList"],
         "comment": row.get("Comment") or None,
+        "admin_comment": row.get("AdminComment") or None,  # the decision tag's place: users cannot set it
         "sacct_gpu_mem_mib": None,
         "sacct_gpu_util": None,
     }
@@ -286,7 +290,7 @@ def _check_fields(fields: tuple[str, ...]) -> None:
 def format_fields(spec: str) -> tuple[str, ...]:
     """A user-given --format list: sacct's names in any case and order, widths (``%20``)
     dropped; fields slurmgpu does not use are read past."""
-    known = {f.lower(): f for f in FIELDS}
+    known = {f.lower(): f for f in LIVE_FIELDS}
     out = []
     for name in spec.split(","):
         base = name.split("%")[0].strip()
