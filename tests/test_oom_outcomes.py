@@ -21,7 +21,7 @@ from slurmgpu.history import db, ingest
 from slurmgpu.learning import train
 from slurmgpu.pipeline import spool
 from slurmgpu.pipeline.config import load_config
-from slurmgpu.pipeline.decision_tag import decision_tag, make_tag, parse_tag, with_retry_mark
+from slurmgpu.pipeline.decision_tag import decision_tag, make_tag, parse_tag
 from slurmgpu.slurm.sacct import JobRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,8 +147,6 @@ def test_tag_format_round_trip_and_retry_mark() -> None:
     tag = make_tag("0123456789ab", "model", 13.26, 41.6)
     assert tag == "slurmgpu:d=0123456789ab;m=model;p=13.3;t=42" and " " not in tag
     assert parse_tag(tag) == {"d": "0123456789ab", "m": "model", "p": "13.3", "t": "42"}
-    assert parse_tag(with_retry_mark(tag)) == {"d": "0123456789ab", "m": "model", "p": "13.3", "t": "42", "r": "1"}
-    assert with_retry_mark(with_retry_mark(tag)) == with_retry_mark(tag)
     for other in (None, "", "script:python x.py", "my own words", tag + " and more", "slurmgpu:d=XYZ"):
         assert parse_tag(other) is None
     decision = {"decider": "model", "changes": [{"index": 0, "gpu_type": "t4", "gpus_total": 1}],

@@ -144,7 +144,7 @@ def test_each_rule(url: str) -> None:
     assert not any(w.startswith(("--output", "--error", "--input", "--open-mode")) or "gpu:t4" in w for w in first)
     assert script is not None and script.startswith("#!/bin/sh\n# slurmgpu: GPU request rewritten by the retry")
     assert script.endswith("#SBATCH -t 5\npython train.py\n")  # the job's own script, below the provenance
-    assert f"--comment={tag};r=1" in second  # a decision tag keeps its form, marked retried
+    assert f"--comment={tag}" in second  # the user's Comment as they wrote it (a tag there is only their text)
     assert ["scontrol", "release", "100"] in [argv for argv, _ in slurm.calls]
     assert retry_links(url) == {"1": "100", "3": "30", "4": "101", "90": "9"}
     again = {a.job_id: a for a in retry.retry(db.make_engine(url), config, "slurmgpu", 24, run=slurm, now=now)}

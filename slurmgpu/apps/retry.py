@@ -39,7 +39,6 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from slurmgpu.history.db import GpuUsage, Job, Submission, utcnow
 from slurmgpu.pipeline.config import Config, GpuType
-from slurmgpu.pipeline.decision_tag import parse_tag, with_retry_mark
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.policy import ComponentChange, Decision
 from slurmgpu.pipeline.request import build_request
@@ -181,11 +180,9 @@ def sbatch_as(owner: pwd.struct_passwd, words: Sequence[str]) -> list[str]:
 
 
 def _comment(info: Mapping[str, str], c: Candidate, told: str, onto: str) -> str:
-    """The new job's comment: the user's own, a decision tag marked retried (``r=1``), else what happened."""
-    comment = _value(info, "Comment") or ""
-    if parse_tag(comment) is not None:
-        return with_retry_mark(comment)
-    return comment or f"slurmgpu: retry of job {c.job_id} after a {told}, on {onto}"
+    """The new job's comment: the user's own (decision tags live in AdminComment, the history's
+    ``retry_of`` links the two jobs), else what happened."""
+    return _value(info, "Comment") or f"slurmgpu: retry of job {c.job_id} after a {told}, on {onto}"
 
 
 def _differs(new: Mapping[str, str] | None, owner: str, part: str, card: str, old: str) -> str | None:

@@ -1,7 +1,7 @@
 """The decision tag: a short record of a decision that travels with the job in its AdminComment.
 
 ``slurmgpu:d=<decision id>;m=<decider>;p=<predicted peak GiB per GPU>;t=<predicted minutes>`` (p and t
-only when the model predicted them; ``r=1`` on the new job ``slurmgpu retry`` submits for it). The hook
+only when the model predicted them). The hook
 sets it in the job's AdminComment, which users cannot set (sbatch has no option for it; ``scontrol
 update`` refuses it to them) and sacct keeps, so the ingest links the job to the daemon's record of the
 decision. gsbatch, running as the user, cannot set it: its record names its job instead, and carries
@@ -39,12 +39,6 @@ def parse_tag(comment: str | None) -> dict[str, str] | None:
     """The tag's fields (d, m, p, t, r) when ``comment`` is exactly a tag, else None."""
     match = TAG.fullmatch(comment or "")
     return {k: v for k, v in match.groupdict().items() if v is not None} if match else None
-
-
-def with_retry_mark(tag: str) -> str:
-    """The tag of the job retried once after a GPU OOM (``r=1``)."""
-    fields = parse_tag(tag)
-    return tag if fields is None or "r" in fields else f"{tag};r=1"
 
 
 def decision_tag(decision: Mapping[str, Any], decision_id: str, asked_type: str | None = None,
