@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -185,3 +186,39 @@ def test_submissions_during_ingests_lose_no_record(tmp_path: Path, sample_config
     with make_engine(db).connect() as conn:
         rows = conn.execute(select(Submission.job_id)).all()
     assert sorted(r.job_id for r in rows) == sorted(job_ids)
+
+
+def test_a_held_job_cancelled_before_eligible_gets_its_record(tmp_path: Path, sample_config: Path) -> None:
+    """sacct's time window never shows a job cancelled while held (it never became eligible), so its
+    record waited for it until given up; the ingest asks sacct for it by id and stores it."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
+           "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
+    script = tmp_path / "h.sh"
+    script.write_text("#!/bin/bash\n#SBATCH -p gpu --gres=gpu:v100:1 -t 1\ntrue\n")
+    since = (datetime.now() - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    res = subprocess.run([str(BIN / "gsbatch"), "--hold", "--parsable", str(script)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, check=True)
+    job = res.stdout.strip().split(";")[0]
+    subprocess.run(["scancel", job], check=True)
+    deadline = time.monotonic() + 30  # until slurmdbd has its full row (a stand-in has no partition)
+    while time.monotonic() < deadline and subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-o", "Partition", "-j", job], capture_output=True, text=True,
+            check=False).stdout.strip() != "gpu":
+        time.sleep(0.5)
+    [record] = spool.iterdir()
+    old = time.time() - 20 * 60  # the ingest asks by id only for records 10 minutes old or more
+    os.utime(record, (old, old))
+    window = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID", "--allusers", "--starttime", since,
+                             "--endtime", "now"], capture_output=True, text=True, check=True).stdout.split()
+    assert job not in window  # what the time window misses
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    slurmgpu("db", "upgrade", db=db)
+    out = subprocess.run([str(BIN / "slurmgpu"), "--db", db, "ingest", "--cluster", "slurmgpu", "--since", since],
+                         capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "1 spool records loaded, 0 rejected" in out.stdout and "waiting" not in out.stdout, out.stdout
+    assert list(spool.iterdir()) == []
+    rows = json.loads(slurmgpu("jobs", "--json", "--job", job, db=db).stdout)
+    assert [(r["job_id"], r["state"]) for r in rows] == [(job, "CANCELLED")], (out.stdout, out.stderr)

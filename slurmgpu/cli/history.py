@@ -126,8 +126,11 @@ def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, de
                     fail(exc)
         if spool:
             site = config.site if config else None
+            # a record's job missing from sacct's time window (cancelled while held) is asked for by id
+            fetch = None if from_file else lambda keys: ingest.ingest_jobs_by_id(
+                engine, cluster, [job for c, job in keys if c == cluster])
             ingest.load_submissions(engine, submission_spool(site.submission_spool if site else None, os.environ),
-                                    report)
+                                    report, fetch=fetch)
             ingest.load_gpu_records(engine, gpu_spool(site.gpu_spool if site else None, os.environ), report)
     for err in report.errors[:20]:
         click.echo(f"slurmgpu: rejected {from_file or 'sacct'}:{err.line}: {err.message}", err=True)

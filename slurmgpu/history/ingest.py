@@ -202,13 +202,16 @@ def _stored(conn: Connection, keys: list[tuple[str, str]]) -> dict[tuple[str, st
 # --- live sacct ---------------------------------------------------------------------------
 
 
+_SACCT = ("sacct", "--allusers", "--parsable2", "--noheader", f"--delimiter={sacct.LIVE_DELIMITER}",
+          f"--format={','.join(sacct.LIVE_FIELDS)}")
+
+
 def sacct_command(since: datetime, until: datetime, cluster: str | None = None) -> list[str]:
     """sacct for all users' jobs active in [since, until] (UTC in; sacct wants local time)."""
     def local(t: datetime) -> str:
         return t.replace(tzinfo=UTC).astimezone().strftime("%Y-%m-%dT%H:%M:%S")
 
-    argv = ["sacct", "--allusers", "--parsable2", "--noheader", f"--delimiter={sacct.LIVE_DELIMITER}",
-            f"--format={','.join(sacct.LIVE_FIELDS)}", f"--starttime={local(since)}", f"--endtime={local(until)}"]
+    argv = [*_SACCT, f"--starttime={local(since)}", f"--endtime={local(until)}"]
     if cluster:
         argv.append(f"--clusters={cluster}")
     return argv
@@ -231,7 +234,30 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
     if since is None:
         mark = watermark(engine, cluster)
         since = mark - OVERLAP if mark else until - timedelta(days=default_days)
-    argv = sacct_command(since, until)
+    report = _load_sacct(engine, sacct_command(since, until), cluster, on_chunk)
+    with engine.begin() as conn:
+        _set_watermark(conn, cluster, until)
+    return report
+
+
+
+
+def ingest_jobs_by_id(engine: Engine, cluster: str, job_ids: Iterable[str]) -> Report:
+    """sacct for these jobs by id, whatever their times. A job cancelled while held never became
+    eligible, and sacct's time window (``ingest_sacct``) never shows such a job, while ``--jobs``
+    does: without this its submission record would wait for it until it was given up."""
+    ids = sorted({i for i in job_ids if _JOB_ID.fullmatch(i)})
+    report = Report()
+    for start in range(0, len(ids), 200):
+        argv = [*_SACCT, f"--jobs={','.join(ids[start:start + 200])}"]
+        part = _load_sacct(engine, argv, cluster)
+        report.inserted, report.updated = report.inserted + part.inserted, report.updated + part.updated
+    return report
+
+
+def _load_sacct(engine: Engine, argv: list[str], cluster: str,
+                on_chunk: Callable[[int], None] | None = None) -> Report:
+    """Run sacct and load what it prints; RuntimeError when it fails."""
     summed = sacct.gpu_usage_is_summed(subprocess.run([argv[0], "--version"], capture_output=True, text=True,
                                                       timeout=30, check=False).stdout)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
@@ -246,8 +272,6 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
         code = proc.wait()
     if code != 0:
         raise RuntimeError(f"sacct exited {code}: {err.strip()}")
-    with engine.begin() as conn:
-        _set_watermark(conn, cluster, until)
     return report
 
 
@@ -272,6 +296,7 @@ NO_JOB_KEEP = timedelta(days=30)  # a stored record naming no job (sbatch refuse
 FUTURE_SLACK = timedelta(days=1)  # a record dated later than this ahead would dodge NO_JOB_KEEP
 BATCH_FILES = 256
 BATCH_BYTES = 16 << 20
+FetchJobs = Callable[[list[tuple[str, str]]], object]  # (cluster, job id) pairs -> loaded into the history
 _JOB_ID = re.compile(r"\d{1,10}(?:[_+]\d{1,10})?")  # as sbatch prints it
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -716,7 +741,7 @@ SUBMISSIONS = _SpoolKind(lambda n: n.startswith("sub-") and n.endswith(".json"),
 
 
 def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
-           trusted: Collection[int] | None = None) -> Report:
+           trusted: Collection[int] | None = None, fetch: FetchJobs | None = None) -> Report:
     """Load every finished record of a spool, a batch at a time; see the comment above."""
     trusted = {0, os.geteuid()} if trusted is None else trusted
     try:
@@ -751,10 +776,10 @@ def _drain(engine: Engine, directory: str, kind: _SpoolKind, report: Report,
         batch.append(f)
         size += len(f.data)
         if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
-            _load_batch(engine, batch, kind, report, trusted)
+            _load_batch(engine, batch, kind, report, trusted, fetch)
             batch, size = [], 0
     if batch:
-        _load_batch(engine, batch, kind, report, trusted)
+        _load_batch(engine, batch, kind, report, trusted, fetch)
     return report
 
 
@@ -792,7 +817,7 @@ def _remove(path: str, report: Report) -> None:
 
 
 def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report: Report,
-                trusted: Collection[int]) -> None:
+                trusted: Collection[int], fetch: FetchJobs | None = None) -> None:
     parsed: list[tuple[SpoolFile, dict[str, Any]]] = []
     for f in files:
         try:
@@ -801,6 +826,8 @@ def _load_batch(engine: Engine, files: list[SpoolFile], kind: _SpoolKind, report
             _set_aside(f.path, "malformed", _why(exc).removeprefix(f"{f.path}: "), report)
     if not parsed:
         return
+    if fetch is not None:
+        _fetch_missing(engine, parsed, fetch)
     chosen: list[tuple[SpoolFile, dict[str, Any]]] = []
     for (f, row), verdict in _admitted(engine, kind, parsed, trusted, report):
         if verdict.action == STORE:
@@ -845,6 +872,25 @@ def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ValueError | TypeError | KeyError) else f"{type(exc).__name__}: {str(exc)[:160]}"
 
 
+FETCH_AFTER = timedelta(minutes=10)  # younger records' jobs come by sacct's window, or are still being written
+
+
+def _fetch_missing(engine: Engine, parsed: list[tuple[SpoolFile, dict[str, Any]]], fetch: FetchJobs) -> None:
+    """Ask Slurm by id for the jobs the history lacks that records at least ``FETCH_AFTER`` old
+    name (``ingest_jobs_by_id``); one it cannot answer leaves its records waiting, as before. Not
+    sooner: for a few seconds after a held job is cancelled, slurmdbd holds a stand-in row for it
+    (no partition, job name 'allocation'), which would be stored for good."""
+    old = utcnow().replace(tzinfo=UTC).timestamp() - FETCH_AFTER.total_seconds()
+    keys = {(r["cluster"], r["job_id"]) for f, r in parsed if isinstance(r.get("job_id"), str) and f.mtime < old}
+    with engine.connect() as conn:
+        missing = keys - set(_job_users(conn, keys))
+    if missing:
+        try:
+            fetch(sorted(missing))
+        except (RuntimeError, OSError, subprocess.SubprocessError):
+            pass
+
+
 def _admitted(engine: Engine, kind: _SpoolKind, parsed: list[tuple[SpoolFile, dict[str, Any]]],
               trusted: Collection[int], report: Report) -> list[tuple[tuple[SpoolFile, dict[str, Any]], _Verdict]]:
     """Each parsed record with its verdict. Checks that fail for a batch are run one record at a time,
@@ -874,10 +920,11 @@ def drain_spool(engine: Engine, directory: str, kind: _SpoolKind, report: Report
 
 
 def load_submissions(engine: Engine, directory: str, report: Report | None = None,
-                     trusted: Collection[int] | None = None) -> Report:
+                     trusted: Collection[int] | None = None, fetch: FetchJobs | None = None) -> Report:
     """Load gsbatch's and the daemon's submission records (once each, by record id), then link the
-    daemon's decisions to their jobs (``link_decisions``)."""
-    report = _drain(engine, directory, SUBMISSIONS, report or Report(), trusted)
+    daemon's decisions to their jobs (``link_decisions``). ``fetch``: loads jobs the history lacks
+    by id (the live ingest's ``ingest_jobs_by_id``), asked before a record is left waiting."""
+    report = _drain(engine, directory, SUBMISSIONS, report or Report(), trusted, fetch)
     report.decisions_linked += link_decisions(engine)
     report.expired += expire_unlinked(engine)
     return report
