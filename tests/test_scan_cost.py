@@ -103,9 +103,9 @@ CASES: dict[str, tuple[Callable[[str], object], Callable[[int], str], int]] = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_reading_is_linear_in_the_text(case: str) -> None:
     reader, make, n = CASES[case]
-    # linear: ~4; quadratic: ~16 every time. The least of three, since a busy machine (CI's other
+    # linear: ~4 (n log n ~4.5); quadratic: ~16 every time. The least of three, since a busy machine (CI's other
     # work, another test's processes) can slow one measurement of the larger input.
-    assert min(growth(reader, make, n) for _ in range(3)) < 6.0
+    assert min(growth(reader, make, n) for _ in range(3)) < 8.0
 
 
 def _srun_lines(size: int) -> str:
