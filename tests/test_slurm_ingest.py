@@ -97,13 +97,18 @@ def test_ingest_holds_exactly_the_submitted_jobs(finished_jobs: dict, tmp_path: 
     assert json.loads(slurmgpu("jobs", "--json", "--since", since, db=db).stdout) == rows
 
 
-def test_concurrent_gsbatch_submissions_lose_no_record(tmp_path: Path, sample_config: Path) -> None:
+def _gsbatch_site(tmp_path: Path, config: Path, directives: str, command: str) -> tuple[Path, dict[str, str], Path]:
+    """A submission spool, gsbatch's environment writing into it, and a one-line job script."""
     spool = tmp_path / "spool"
     spool.mkdir()
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
-           "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
-    script = tmp_path / "c.sh"
-    script.write_text("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1 -t 1\nsleep 1\n")
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(config), "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH {directives}\n{command}\n")
+    return spool, env, script
+
+
+def test_concurrent_gsbatch_submissions_lose_no_record(tmp_path: Path, sample_config: Path) -> None:
+    spool, env, script = _gsbatch_site(tmp_path, sample_config, "-p gpu-small --gres=gpu:a100:1 -t 1", "sleep 1")
     procs = [subprocess.Popen([str(BIN / "gsbatch"), "--hold", "--parsable", str(script)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env) for _ in range(20)]
     job_ids = set()
@@ -136,12 +141,7 @@ def test_submissions_during_ingests_lose_no_record(tmp_path: Path, sample_config
     as malformed; every one must be stored, none rejected, none half-read."""
     import threading
 
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
-           "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
-    script = tmp_path / "c.sh"
-    script.write_text("#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1 -t 1\nsleep 1\n")
+    spool, env, script = _gsbatch_site(tmp_path, sample_config, "-p gpu-small --gres=gpu:a100:1 -t 1", "sleep 1")
     db = f"sqlite:///{tmp_path / 'h.db'}"
     slurmgpu("db", "upgrade", db=db)
     since = (datetime.now() - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S")
@@ -191,12 +191,7 @@ def test_submissions_during_ingests_lose_no_record(tmp_path: Path, sample_config
 def test_a_held_job_cancelled_before_eligible_gets_its_record(tmp_path: Path, sample_config: Path) -> None:
     """sacct's time window never shows a job cancelled while held (it never became eligible), so its
     record waited for it until given up; the ingest asks sacct for it by id and stores it."""
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    env = {"PATH": f"{BIN}:/usr/bin:/bin", "SLURMGPU_CONFIG": str(sample_config),
-           "SLURMGPU_SUBMISSION_SPOOL": str(spool)}
-    script = tmp_path / "h.sh"
-    script.write_text("#!/bin/bash\n#SBATCH -p gpu --gres=gpu:v100:1 -t 1\ntrue\n")
+    spool, env, script = _gsbatch_site(tmp_path, sample_config, "-p gpu --gres=gpu:v100:1 -t 1", "true")
     since = (datetime.now() - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S")
     res = subprocess.run([str(BIN / "gsbatch"), "--hold", "--parsable", str(script)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, check=True)
