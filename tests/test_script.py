@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.script import parse_script, read_script
@@ -67,3 +69,25 @@ def test_unreadable_and_directory(tmp_path) -> None:
         read_script(str(tmp_path / "missing.sh"))
     with pytest.raises(InputError, match="is a directory"):
         read_script(str(tmp_path))
+
+
+_PIECES = ["srun x", "#SBATCH --time=5", "  #SBATCH -p gpu", "#GSBATCH --gpu-mem=8G", "# comment", "", "   ",
+           "#PBS -q gpu", "# sbatch -N 2", "\t# SBATCH foo", "echo hi #SBATCH", "#SLURMGPU keep", "python t.py",
+           "#GSBATCH --bogus", "\v#x", "#SBATCH\t-N 1"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=100), st.sampled_from(["", "\n", "\n\n"]))
+def test_every_directive_like_line_after_the_first_command_is_listed_as_ignored(lines: list[str], end: str) -> None:
+    """Past the first command and #PBS's 100-line window, parse_script finds comment lines in C
+    rather than line by line: what it lists must be what a line-by-line reading lists."""
+    from slurmgpu.pipeline.script import _LOOKS_LIKE_DIRECTIVE, GS_MAGIC, MAGIC
+
+    text = "#!/bin/bash\n" + "true\n" * 101 + "\n".join(lines) + end  # LINES come after the window
+    script = parse_script(text.encode(), "x.sh")
+    first = script.first_command_line
+    assert first == 2
+    every = text.split("\n")
+    want = [(n, line) for n, line in enumerate(every, 1) if n > first and n <= len(text.splitlines())
+            and (line.startswith((MAGIC, GS_MAGIC)) or _LOOKS_LIKE_DIRECTIVE.match(line))]
+    assert [(d.line, d.text) for d in script.ignored if d.line > first] == want
