@@ -191,7 +191,7 @@ class CliBackend:
         Spawned with posix_spawn rather than subprocess: a submission is gsbatch's hot path, and
         the subprocess module costs more to import than sbatch takes to run.
         """
-        path = _which(self.sbatch, env)
+        path = which(self.sbatch, env)
         if path is None:
             raise SlurmError(f"{self.sbatch} not found on PATH")
         out_r, out_w = os.pipe()
@@ -234,7 +234,7 @@ def _features(text: str) -> tuple[str, ...]:
     return tuple(f for f in text.split(",") if f and f != "(null)")
 
 
-def _which(command: str, env: Mapping[str, str]) -> str | None:
+def which(command: str, env: Mapping[str, str]) -> str | None:
     """COMMAND as the child's PATH finds it (as subprocess does), or None."""
     if os.sep in command:
         return command if os.access(command, os.X_OK) else None
