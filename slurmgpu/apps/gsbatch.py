@@ -488,8 +488,7 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     p = plan(inv, env, decider, stdin_data=stdin_data, config=config, backend=backend)
     if "--explain" in inv.flags and p.request is not None:
         config_of = getattr(decider, "config", None) or config
-        memory = {n: t.memory_gib for n, t in config_of.gpu_types.items()} if config_of is not None else None
-        text = explain_text(p.request, p.decision, memory)
+        text = explain_text(p.request, p.decision, config_of.memory_gib() if config_of is not None else None)
         try:
             print(text, file=sys.stderr)
         except (OSError, ValueError, AttributeError):
@@ -587,7 +586,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if config is not None and not out.refused:
         from slurmgpu.pipeline.plan import oom_warning
 
-        if (oom := oom_warning(p, {n: t.memory_gib for n, t in config.gpu_types.items()})) is not None:
+        if (oom := oom_warning(p, config.memory_gib())) is not None:
             _note(sys.stderr, "warning", oom)
     for text in out.warnings:
         _note(sys.stderr, "warning", text)

@@ -88,6 +88,10 @@ class Config(NamedTuple):
         """Node feature names that mean a GPU type (for --constraint)."""
         return {f for t in self.gpu_types.values() for f in (t.name, *t.features)}
 
+    def memory_gib(self) -> dict[str, float]:
+        """Memory per GPU of each type, for what gsbatch says about fitting a card."""
+        return {n: t.memory_gib for n, t in self.gpu_types.items()}
+
     def type_for_feature(self, feature: str) -> str | None:
         for t in self.gpu_types.values():
             if feature.lower() in {t.name.lower(), *(f.lower() for f in t.features)}:
