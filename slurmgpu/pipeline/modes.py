@@ -158,8 +158,8 @@ def apply_resolution(plan: Mapping[str, Any], resolution: Resolution, options: S
 
 
 def _with(plan: Mapping[str, Any], decision: dict[str, Any], submission: Mapping[str, Any]) -> dict[str, Any]:
-    """Advice or a waiver: submitted as written, so not even the decision tag goes into the job's
-    comment (the record keeps the decision)."""
+    """Advice or a waiver: submitted as written, without the decision tag (the record keeps the
+    decision)."""
     out = dict(plan, decision=decision, submission=dict(submission))
     out.pop("tag", None)
     record = plan.get("record")

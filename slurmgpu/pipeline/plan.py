@@ -27,7 +27,7 @@ class Plan(NamedTuple):
     decision: Decision
     submission: Submission
     stdin: bytes | None = None
-    tag: str | None = None  # the decision tag for the job's comment; None when the user wrote a comment
+    tag: str | None = None  # the model's decision tag; its id goes into the record, which names the job
     unread: str | None = None  # why the script was not read (it goes as written)
 
     def to_json(self) -> dict[str, Any]:
