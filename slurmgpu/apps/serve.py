@@ -694,8 +694,9 @@ class Service:
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - the database's fault, said in one line
-            self._log(who, t0, op=op, error=db.describe_error(self.database_url, exc))
-            return {"ok": False, "error": db.describe_error(self.database_url, exc)}
+            error = db.describe_error(self.database_url, exc)
+            self._log(who, t0, op=op, error=error)
+            return {"ok": False, "error": error}
         finally:
             engine.dispose()
         self._log(who, t0, op=op, result=f"{len(reply.get('seff') or reply.get('jobs') or ())} answered")
