@@ -128,7 +128,7 @@ def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, de
             site = config.site if config else None
             # a record's job missing from sacct's time window (cancelled while held) is asked for by id
             fetch = None if from_file else lambda keys: ingest.ingest_jobs_by_id(
-                engine, cluster, [job for c, job in keys if c == cluster])
+                engine, cluster, [job for c, job in keys if c == cluster], report)
             ingest.load_submissions(engine, submission_spool(site.submission_spool if site else None, os.environ),
                                     report, fetch=fetch)
             ingest.load_gpu_records(engine, gpu_spool(site.gpu_spool if site else None, os.environ), report)

@@ -9,6 +9,7 @@ jobs that were still running last time are updated.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -240,32 +241,35 @@ def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, un
     return report
 
 
-
-
-def ingest_jobs_by_id(engine: Engine, cluster: str, job_ids: Iterable[str]) -> Report:
-    """sacct for these jobs by id, whatever their times. A job cancelled while held never became
-    eligible, and sacct's time window (``ingest_sacct``) never shows such a job, while ``--jobs``
-    does: without this its submission record would wait for it until it was given up."""
+def ingest_jobs_by_id(engine: Engine, cluster: str, job_ids: Iterable[str], report: Report | None = None) -> Report:
+    """sacct for these jobs by id, whatever their times, counted into ``report``. A job cancelled
+    while held never became eligible, and sacct's time window (``ingest_sacct``) never shows such a
+    job, while ``--jobs`` does: without this its submission record would wait for it until given up."""
     ids = sorted({i for i in job_ids if _JOB_ID.fullmatch(i)})
-    report = Report()
+    report = report or Report()
     for start in range(0, len(ids), 200):
-        argv = [*_SACCT, f"--jobs={','.join(ids[start:start + 200])}"]
-        part = _load_sacct(engine, argv, cluster)
-        report.inserted, report.updated = report.inserted + part.inserted, report.updated + part.updated
+        _load_sacct(engine, [*_SACCT, f"--jobs={','.join(ids[start:start + 200])}"], cluster, report=report)
     return report
 
 
-def _load_sacct(engine: Engine, argv: list[str], cluster: str,
-                on_chunk: Callable[[int], None] | None = None) -> Report:
-    """Run sacct and load what it prints; RuntimeError when it fails."""
-    summed = sacct.gpu_usage_is_summed(subprocess.run([argv[0], "--version"], capture_output=True, text=True,
-                                                      timeout=30, check=False).stdout)
+@functools.lru_cache(maxsize=4)
+def _gpu_usage_is_summed(program: str) -> bool:
+    """sacct's version's way with GPU usage, asked once per ingest run (a run may call sacct for
+    its window and again for records' jobs by id)."""
+    return sacct.gpu_usage_is_summed(subprocess.run([program, "--version"], capture_output=True, text=True,
+                                                    timeout=30, check=False).stdout)
+
+
+def _load_sacct(engine: Engine, argv: list[str], cluster: str, on_chunk: Callable[[int], None] | None = None,
+                report: Report | None = None) -> Report:
+    """Run sacct and load what it prints (into ``report``, when given); RuntimeError when it fails."""
+    summed = _gpu_usage_is_summed(argv[0])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
                             errors="surrogateescape")
     assert proc.stdout is not None and proc.stderr is not None
     try:
         report = load_jobs(engine, sacct.parse_lines(proc.stdout, sacct.LIVE_FIELDS, sacct.LIVE_DELIMITER, cluster,
-                                                     summed), on_chunk=on_chunk)
+                                                     summed), report, on_chunk=on_chunk)
     finally:
         proc.stdout.close()
         err = proc.stderr.read()
