@@ -10,6 +10,7 @@ or the CLI's own uid), never what a request says.
 
 from __future__ import annotations
 
+import os
 import pwd
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -40,6 +41,12 @@ class Viewer:
             self.name = None
         self.uid, self._everyone, self._run = uid, everyone, run
         self._standing: usage.Standing | None = None
+
+    @classmethod
+    def this_process(cls) -> Viewer:
+        """The user running this command, who reads the database directly (root sees everyone)."""
+        uid = os.geteuid()
+        return cls(uid, everyone=uid == 0)
 
     def standing(self) -> usage.Standing:
         if self._standing is None:

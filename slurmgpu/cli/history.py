@@ -191,7 +191,7 @@ def jobs_cmd(ctx: click.Context, as_json: bool, user: str | None, since: Any, jo
     else:
         with database_errors(ctx):
             try:
-                answer = userview.jobs_answer(engine, userview.Viewer(os.geteuid(), everyone=os.geteuid() == 0),
+                answer = userview.jobs_answer(engine, userview.Viewer.this_process(),
                                               user, to_utc(since), job_ids, limit)
             except InputError as exc:
                 fail(exc)

@@ -55,7 +55,7 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
         jobs, user = userview.jobs_from_json(answer["jobs"]), answer["user"]
     else:
         try:
-            jobs, user = userview.report_jobs(engine, userview.Viewer(os.geteuid(), everyone=os.geteuid() == 0),
+            jobs, user = userview.report_jobs(engine, userview.Viewer.this_process(),
                                               start, end, user, account, cluster)
         except InputError as exc:
             fail(exc)

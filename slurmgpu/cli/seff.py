@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import click
 
@@ -33,7 +32,7 @@ def seff_cmd(ctx: click.Context, job_ids: tuple[str, ...], cluster: str | None, 
     if engine is None:
         answers = ask_daemon({"op": "seff", "jobs": ids, "cluster": cluster}, why)["seff"]
     else:
-        viewer = userview.Viewer(os.geteuid(), everyone=os.geteuid() == 0)
+        viewer = userview.Viewer.this_process()
         answers = userview.seff_answers(engine, ids, cluster, config, viewer)
     for answer in answers:
         if "error" in answer:
