@@ -55,13 +55,19 @@ class ParseError(ValueError):
 
 def parse_duration(text: str, field: str = "Elapsed") -> int | None:
     """``[D-][HH:]MM:SS[.mmm]`` to whole seconds; None for UNLIMITED and the like."""
+    seconds = parse_duration_exact(text, field)
+    return None if seconds is None else int(seconds)
+
+
+def parse_duration_exact(text: str, field: str = "TotalCPU") -> float | None:
+    """``parse_duration`` with the fraction kept (the TotalCPU of a short job is mostly fraction)."""
     if text in _NONE or text in ("UNLIMITED", "Partition_Limit"):
         return None
     m = _DURATION.match(text)
     if not m:
         raise ParseError(field, f"invalid duration {text!r}")
     days, hours, minutes, seconds = m.groups()
-    return int(days or 0) * 86400 + int(hours or 0) * 3600 + int(minutes) * 60 + int(float(seconds))
+    return int(days or 0) * 86400 + int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
 
 
 def format_duration(seconds: int) -> str:

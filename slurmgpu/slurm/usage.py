@@ -18,7 +18,7 @@ from slurmgpu.slurm.sacct import (
     LIVE_DELIMITER,
     JobRecord,
     ParseError,
-    parse_duration,
+    parse_duration_exact,
     parse_lines,
     parse_size_mib,
     parse_tres,
@@ -73,15 +73,6 @@ class LiveJob(NamedTuple):
     use: HostUse
 
 
-def _seconds(text: str) -> float | None:
-    """sacct's ``[D-][HH:]MM:SS[.mmm]`` with its fraction kept (TotalCPU of short jobs is mostly fraction)."""
-    whole = parse_duration(text, "TotalCPU")
-    if whole is None:
-        return None
-    _, dot, frac = text.rpartition(".")
-    return whole + (float("0." + frac) if dot and frac.isdigit() else 0.0)
-
-
 def _req_mem_per_node(values: dict[str, Any]) -> float | None:
     mem = parse_tres(values.get("req_tres") or "").get("mem")
     total = parse_size_mib(mem, "ReqMem") if mem else values.get("req_mem_mb")
@@ -105,7 +96,7 @@ def live_jobs(job_ids: Sequence[str], cluster: str | None = None, run: Runner = 
         parts = split_fields(line, len(LIVE_FIELDS), LIVE_DELIMITER)
         if parts and "." not in parts[0]:
             try:
-                total_cpu[parts[0]] = _seconds(parts[at])
+                total_cpu[parts[0]] = parse_duration_exact(parts[at])
             except ParseError:
                 total_cpu[parts[0]] = None
     found: dict[str, LiveJob] = {}
@@ -137,7 +128,7 @@ def _running(job_id: str, use: HostUse, run: Runner) -> HostUse:
             continue
         try:
             step_rss = parse_size_mib(parts[1]) if parts[1] else None
-            step_cpu = _seconds(parse_tres(parts[2]).get("cpu", "")) if "cpu=" in parts[2] else None
+            step_cpu = parse_duration_exact(parse_tres(parts[2]).get("cpu", "")) if "cpu=" in parts[2] else None
         except ParseError:
             continue
         rss = max(rss or 0.0, step_rss) if step_rss is not None else rss
