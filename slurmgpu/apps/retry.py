@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -44,6 +43,7 @@ from slurmgpu.pipeline.policy import ComponentChange, Decision
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.rewrite import RewriteError, apply
 from slurmgpu.pipeline.script import encode, parse_script
+from slurmgpu.slurm.backend import which
 
 Run = Callable[..., "subprocess.CompletedProcess[str]"]  # (argv, input=None): a command's result
 Fits = Callable[[GpuType], bool]
@@ -172,7 +172,7 @@ def _owner(c: Candidate, info: Mapping[str, str]) -> pwd.struct_passwd:
 def sbatch_as(owner: pwd.struct_passwd, words: Sequence[str]) -> list[str]:
     """sbatch run as the job's owner, held, its script on stdin. The owner's plain environment: the
     one the job was submitted from is not kept by Slurm 22.05."""
-    sbatch = shutil.which("sbatch") or "sbatch"
+    sbatch = which("sbatch", os.environ) or "sbatch"
     path = ":".join(dict.fromkeys([os.path.dirname(sbatch) or "/usr/bin", "/usr/local/bin", "/usr/bin", "/bin"]))
     env = [f"HOME={owner.pw_dir}", f"USER={owner.pw_name}", f"LOGNAME={owner.pw_name}", f"SHELL={owner.pw_shell}",
            f"PATH={path}", *([f"SLURM_CONF={os.environ['SLURM_CONF']}"] if "SLURM_CONF" in os.environ else [])]
