@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from slurmgpu.pipeline.hardware import mig_profile
 from slurmgpu.simulation.workload.catalog import GpuSpec, load_catalog, relative_cost, relative_speed
 from slurmgpu.slurm.backend import NodeInfo
 
@@ -69,6 +70,37 @@ def _typed(gres_type: str, nodes: Sequence[NodeInfo]) -> tuple[GpuSpec | None, s
                       f"smallest ({smallest.name}) is assumed; split the type in gres.conf")
 
 
+def _key(name: str) -> str:
+    """A GPU type as a TOML table key: quoted when it has a dot (``"a100_1g.10gb"``)."""
+    return f'"{name}"' if "." in name else name
+
+
+def _card_lines(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
+    """memory_gib, relative_speed and cost of a type (a MIG slice: its profile and its card's share)."""
+    profile = mig_profile(gres_type)
+    if profile is not None:
+        card, _ = _typed(profile.card, nodes)
+        speed, cost = (relative_speed(card), relative_cost(card)) if card else (1.0, 1.0)
+        share = f"{profile.compute_fraction:.3f} of {profile.card}"
+        return [f'mig_of = "{profile.card}"  # review: a MIG instance, by its name',
+                f"compute_fraction = {profile.compute_fraction:.3f}  # review: {gres_type}'s compute slices",
+                f"memory_gib = {profile.memory_gib:g}  # review: the profile's size",
+                f"relative_speed = {speed * profile.compute_fraction:.3f}  # review: {share}'s speed",
+                f"cost = {cost * profile.compute_fraction:.3f}  # review: {share}'s cost"]
+    spec, why = _typed(gres_type, nodes)
+    if spec is None:
+        return [f"memory_gib = 0  # review: {why}", "relative_speed = 1.0  # review", "cost = 1.0  # review"]
+    return [f"memory_gib = {spec.memory_gib:g}  # review: {why}", f"relative_speed = {relative_speed(spec):.3f}  # review",
+            f"cost = {relative_cost(spec):.3f}  # review"]
+
+
+def _shard_lines(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
+    """``shards``: Slurm's gres shard count per card of the type (the most on any node)."""
+    per_card = [n.shards[gres_type] // n.gpus[gres_type] for n in nodes
+                if getattr(n, "shards", {}).get(gres_type) and n.gpus.get(gres_type)]
+    return [f"shards = {max(per_card)}  # gres shard per card, from the nodes' Gres"] if per_card else []
+
+
 def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluster: str | None = None) -> str:
     """The TOML of a starting config describing NODES (as the Slurm backend reports them)."""
     types = sorted({t for n in nodes for t in n.gpus if t})
@@ -86,16 +118,14 @@ def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluste
     if untyped:
         out += [f"# Nodes {', '.join(untyped)} offer GPUs without a type: give them Type= in gres.conf so",
                 "# slurmgpu can tell them apart.", ""]
+    cards = {p.card for t in types if (p := mig_profile(t)) is not None}
+    for t in sorted(cards - set(types), key=str.lower):  # slices whose whole card no node offers
+        out += [f"# {t}: the card the MIG slices below are cut from (no node offers it whole)"]
+        out += _card_lines(t, nodes) + [""]
     for t in types:
-        spec, why = _typed(t, nodes)
-        out.append(f"[gpu_types.{t}]")
-        if spec is None:
-            out += [f"memory_gib = 0  # review: {why}", "relative_speed = 1.0  # review", "cost = 1.0  # review"]
-        else:
-            out += [f"memory_gib = {spec.memory_gib:g}  # review: {why}",
-                    f"relative_speed = {relative_speed(spec):.3f}  # review",
-                    f"cost = {relative_cost(spec):.3f}  # review"]
-        out += ["features = [" + ", ".join(f'"{f}"' for f in (t, *size_features(t, nodes))) + "]", ""]
+        out += [f"[gpu_types.{_key(t)}]", *_card_lines(t, nodes)]
+        out += ["features = [" + ", ".join(f'"{f}"' for f in (t, *size_features(t, nodes))) + "]"]
+        out += _shard_lines(t, nodes) + [""]
     for name in sorted(parts):
         members = parts[name]
         offered = sorted({t for n in members for t in n.gpus if t})

@@ -31,6 +31,16 @@ class GpuType(NamedTuple):
     relative_speed: float = 1.0
     cost: float = 1.0
     features: tuple[str, ...] = ()
+    # A MIG instance Slurm schedules as a GPU type of its own (``a100_1g.10gb``): the card it is cut
+    # from and the share of that card's compute it has (1/7 for a 1g slice of an A100 or H100).
+    mig_of: str | None = None
+    compute_fraction: float = 1.0
+    shards: int = 0  # gres "shard" units Slurm offers per card of this type (0: not shared)
+
+    @property
+    def is_slice(self) -> bool:
+        """A part of a card (MIG instance): one process's device, never a member of a multi-GPU job."""
+        return self.mig_of is not None
 
 
 class Partition(NamedTuple):
@@ -243,11 +253,16 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         if not _NAME.match(name):
             raise ConfigError(f"invalid GPU type name {name!r}", file=path, option="gpu_types")
         t = _Table(body, f"gpu_types.{name}", path)
-        types[name] = GpuType(name, t.number("memory_gib"), t.number("relative_speed", 1.0),
-                              t.number("cost", 1.0), t.names("features", []))
+        # 0.0: unset, which a slice reads from its card (_slice_checked)
+        unset = {key: t.number(key) if key in body else 0.0 for key in ("relative_speed", "cost")}
+        types[name] = GpuType(name, t.number("memory_gib"), unset["relative_speed"], unset["cost"],
+                              t.names("features", []),
+                              t.get("mig_of", str, None), t.number("compute_fraction", 1.0),
+                              t.get("shards", int, 0))
         t.done()
     if not types:
         raise ConfigError("no GPU types defined", file=path, option="gpu_types")
+    types = {name: _slice_checked(types, gt, top.raw["gpu_types"][name], path) for name, gt in types.items()}
     parts: dict[str, Partition] = {}
     for name, body in top.get("partitions", dict).items():
         if not _NAME.match(name):
@@ -291,6 +306,39 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
     waivers = _waivers(top.get("waivers", list, []), path)
     top.done()
     return Config(path, types, parts, policy, site, modes, waivers)
+
+
+def _slice_checked(types: Mapping[str, GpuType], gt: GpuType, raw: Mapping[str, Any], path: str) -> GpuType:
+    """A type with its MIG keys checked against the card it names; a slice's unset speed and cost
+    are the card's times its compute fraction, a whole card's 1.0 (0.0 above stands for unset)."""
+    where = f"gpu_types.{gt.name}"
+
+    def err(key: str, msg: str) -> ConfigError:
+        return ConfigError(msg, file=path, option=f"{where}.{key}")
+
+    if gt.shards < 0:
+        raise err("shards", f"must be >= 0, got {gt.shards}")
+    if gt.mig_of is None:
+        if "compute_fraction" in raw:
+            raise err("compute_fraction", "only for a MIG slice: set mig_of to the card it is cut from")
+        return gt._replace(relative_speed=gt.relative_speed or 1.0, cost=gt.cost or 1.0)
+    card = types.get(gt.mig_of)
+    if card is None:
+        raise err("mig_of", f"unknown GPU type {gt.mig_of!r} (not in [gpu_types])")
+    if card.mig_of is not None or card.name == gt.name:
+        raise err("mig_of", f"must name a whole card, but {gt.mig_of} is itself a slice")
+    if "compute_fraction" not in raw:
+        raise err("compute_fraction", "missing: the share of the card's compute the slice has (1g of 7: 0.143)")
+    if gt.compute_fraction > 1:
+        raise err("compute_fraction", f"must be at most 1, got {gt.compute_fraction:g}")
+    if gt.memory_gib > card.memory_gib:
+        raise err("memory_gib", f"{gt.memory_gib:g} GiB is more than the {card.memory_gib:g} GiB of {card.name}, "
+                                "the card it is cut from")
+    # the parent's figures may still read 0.0 (unset) when it comes later in the file
+    speed = card.relative_speed or 1.0
+    cost = card.cost or 1.0
+    return gt._replace(relative_speed=gt.relative_speed or speed * gt.compute_fraction,
+                       cost=gt.cost or cost * gt.compute_fraction)
 
 
 def _modes(raw: dict[str, Any], default: str, path: str) -> Modes:

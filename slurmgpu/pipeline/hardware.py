@@ -13,6 +13,7 @@ none on 7.0 (V100), 7.5 (T4, RTX 20xx), 6.x (P100, P40) and 3.7 (K80) — the sa
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 # Longest fragments first, so "a100" is not read as "a10" and "rtx_a6000" not as "a6000"'s cousins.
 _BF16 = {
@@ -32,3 +33,26 @@ def supports_bf16(gpu_type: str) -> bool | None:
         if re.search(rf"(?<![a-z0-9]){re.escape(fragment)}(?![0-9])", name):
             return _BF16[fragment]
     return None
+
+
+# A MIG instance as gres.conf types are usually written from nvidia-smi's profile names: the card,
+# then "<compute slices>g.<memory>gb" (``a100_1g.10gb``, ``h100-3g.40gb``). An A30 has 4 compute
+# slices; A100, H100, H200 and B200 have 7.
+_MIG = re.compile(r"^(?P<card>[a-z0-9][a-z0-9_.-]*?)[_-](?P<g>[1-7])g\.(?P<gb>\d+)gb$")
+_SLICES = {"a30": 4}
+
+
+class MigProfile(NamedTuple):
+    card: str  # the gres type of the whole card, as the name says it
+    compute_fraction: float
+    memory_gib: float  # the profile's size in GB, taken as GiB (the instances hold slightly less)
+
+
+def mig_profile(gpu_type: str) -> MigProfile | None:
+    """What a MIG type's name says of it; None for a name that does not follow the profile form."""
+    m = _MIG.match(gpu_type.lower())
+    if m is None:
+        return None
+    card = gpu_type[: m.end("card")]
+    slices = next((n for frag, n in _SLICES.items() if card.lower().startswith(frag)), 7)
+    return MigProfile(card, min(int(m["g"]) / slices, 1.0), float(m["gb"]))

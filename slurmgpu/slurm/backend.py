@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 _GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)")
+_SHARD_ITEM = re.compile(r"^shard(?::([^:(]+))?:(\d+)")
 
 
 class SlurmError(RuntimeError):
@@ -28,6 +29,7 @@ class NodeInfo(NamedTuple):
     gpus: Mapping[str, int] = MappingProxyType({})  # type ("" when untyped) -> count
     state: str = ""
     features: tuple[str, ...] = ()  # available features (slurm.conf Feature=)
+    shards: Mapping[str, int] = MappingProxyType({})  # gres "shard" by the GPU type it shares
 
 
 class QueuedJob(NamedTuple):
@@ -104,13 +106,14 @@ class Submitted(NamedTuple):
 _JOB_ID = re.compile(rb"^(?:Submitted batch job )?(\d+)(?:;\S+)?\s*$")
 
 
-def parse_gres(gres: str) -> dict[str, int]:
-    """``gpu:a100:4(S:0),gpu:v100:2`` -> {'a100': 4, 'v100': 2} (other gres dropped)."""
+def parse_gres(gres: str, item: re.Pattern[str] = _GRES_ITEM) -> dict[str, int]:
+    """``gpu:a100:4(S:0),gpu:v100:2`` -> {'a100': 4, 'v100': 2} (other gres dropped); with
+    ``item=_SHARD_ITEM``, the shards: sinfo says ``shard:a100:8``, by the GPU type they share."""
     out: dict[str, int] = {}
     if gres in ("", "(null)"):
         return out
-    for item in re.split(r",(?![^()]*\))", gres):
-        m = _GRES_ITEM.match(item)
+    for text in re.split(r",(?![^()]*\))", gres):
+        m = item.match(text)
         if m:
             out[m.group(1) or ""] = out.get(m.group(1) or "", 0) + int(m.group(2))
     return out
@@ -181,7 +184,8 @@ class CliBackend:
             if name in merged:
                 merged[name] = merged[name]._replace(partitions=(*merged[name].partitions, part))
             else:
-                merged[name] = NodeInfo(name, (part,), parse_gres(gres), state, _features(features))
+                merged[name] = NodeInfo(name, (part,), parse_gres(gres), state, _features(features),
+                                        parse_gres(gres, _SHARD_ITEM))
         return list(merged.values())
 
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
@@ -256,10 +260,12 @@ class PyslurmBackend(CliBackend):
 
     def nodes(self) -> list[NodeInfo]:
         # pyslurm >= 22.5: Node.configured_gres is a dict such as {"gpu:a100": 4}.
-        return [NodeInfo(n.name, tuple(n.partitions or ()),
-                         parse_gres(",".join(f"{k}:{v}" for k, v in (n.configured_gres or {}).items())),
-                         str(n.state), tuple(getattr(n, "available_features", None) or ()))
-                for n in self.pyslurm.Nodes.load().values()]  # type: ignore[attr-defined]
+        out = []
+        for n in self.pyslurm.Nodes.load().values():  # type: ignore[attr-defined]
+            gres = ",".join(f"{k}:{v}" for k, v in (n.configured_gres or {}).items())
+            out.append(NodeInfo(n.name, tuple(n.partitions or ()), parse_gres(gres), str(n.state),
+                                tuple(getattr(n, "available_features", None) or ()), parse_gres(gres, _SHARD_ITEM)))
+        return out
 
 
 def _major_minor(version: str) -> tuple[int, ...]:
