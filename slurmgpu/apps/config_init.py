@@ -90,8 +90,8 @@ def _card_lines(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
     spec, why = _typed(gres_type, nodes)
     if spec is None:
         return [f"memory_gib = 0  # review: {why}", "relative_speed = 1.0  # review", "cost = 1.0  # review"]
-    return [f"memory_gib = {spec.memory_gib:g}  # review: {why}", f"relative_speed = {relative_speed(spec):.3f}  # review",
-            f"cost = {relative_cost(spec):.3f}  # review"]
+    return [f"memory_gib = {spec.memory_gib:g}  # review: {why}",
+            f"relative_speed = {relative_speed(spec):.3f}  # review", f"cost = {relative_cost(spec):.3f}  # review"]
 
 
 def _shard_lines(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
@@ -118,7 +118,7 @@ def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluste
     if untyped:
         out += [f"# Nodes {', '.join(untyped)} offer GPUs without a type: give them Type= in gres.conf so",
                 "# slurmgpu can tell them apart.", ""]
-    cards = {p.card for t in types if (p := mig_profile(t)) is not None}
+    cards = {m.card for t in types if (m := mig_profile(t)) is not None}
     for t in sorted(cards - set(types), key=str.lower):  # slices whose whole card no node offers
         out += [f"# {t}: the card the MIG slices below are cut from (no node offers it whole)"]
         out += _card_lines(t, nodes) + [""]

@@ -34,6 +34,8 @@ from slurmgpu.pipeline.features import (
     RATE,
     RUNS,
     SCRIPT_NUMERIC,
+    UTIL,
+    UTIL_RUNS,
     HistoryStats,
     job_features,
     log_rate,
@@ -65,13 +67,15 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
     with engine.connect() as conn:
         usage: dict[tuple[str, str], list[Any]] = {}  # the collector's rows of each job, one per host
         for u in conn.execute(select(GpuUsage.cluster, GpuUsage.job_id, GpuUsage.peak_mem_mib, GpuUsage.max_util,
-                                     GpuUsage.gpu_oom, GpuUsage.detail)):
+                                     GpuUsage.gpu_oom, GpuUsage.detail, GpuUsage.mean_util)):
             usage.setdefault((u.cluster, u.job_id), []).append(u)
         peaks = {k: (max(u.peak_mem_mib for u in us), max((u.max_util for u in us if u.max_util is not None),
                                                              default=None)) for k, us in usage.items()}
         ooms = {k: max(found) for k, us in usage.items()  # the collector found a GPU OOM in the job's stderr
                 if (found := [u.gpu_oom for u in us if u.gpu_oom is not None])}
         details = {k: [u.detail for u in us] for k, us in usage.items()}  # per-GPU figures, one list per host
+        utils = {k: max(found) for k, us in usage.items()  # mean utilisation, the busiest host's
+                 if (found := [u.mean_util for u in us if u.mean_util is not None])}
         records = {(c, j): (f, r, t) for c, j, f, r, t in conn.execute(
             select(Submission.cluster, Submission.job_id, Submission.features, Submission.original_request,
                    JobScript.text).outerjoin(JobScript, JobScript.sha256 == Submission.script_sha256))}
@@ -95,6 +99,7 @@ def history_rows(engine: Engine) -> list[dict[str, Any]]:
                         "elapsed": r["elapsed_s"],
                         "peak": peak, "script": feats, "request": (rec[1] if rec else None) or {},
                         "gpu_oom": oom, "gpus_used": gpus_busy(hosts or [], or_opened=True), "cluster": r["cluster"],
+                        "gpu_util": of_job(utils, *key),
                         "start": r["start_time"],
                         "partition": r["partition"], "time_limit": r["time_limit_s"], "text": text})
     return out
@@ -149,7 +154,7 @@ class _Running:
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
                 "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
-                **{k: v for k, v in s.items() if k.startswith((HELD, BUSY, RUNS))},
+                **{k: v for k, v in s.items() if k.startswith((HELD, BUSY, RUNS, UTIL, UTIL_RUNS))},
                 **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")}}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
@@ -186,6 +191,10 @@ class _Running:
         if row["state"] == "COMPLETED" and row.get("gpus_used") is not None:
             busy, runs = f"{BUSY}{row['gpus']}", f"{RUNS}{row['gpus']}"
             s[busy] = max(s.get(busy, 0.0), float(row["gpus_used"]))
+            s[runs] = s.get(runs, 0.0) + 1
+        if row["state"] == "COMPLETED" and row["gpus"] == 1 and row.get("gpu_util") is not None:
+            util, runs = f"{UTIL}{row['gpu_type']}", f"{UTIL_RUNS}{row['gpu_type']}"
+            s[util] = max(s.get(util, 0.0), float(row["gpu_util"]))
             s[runs] = s.get(runs, 0.0) + 1
         if row["state"] == "OUT_OF_MEMORY":
             s["oom"] += 1

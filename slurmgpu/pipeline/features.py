@@ -268,6 +268,10 @@ RATE = "rate:"
 # completed run given that many, and how many such runs it saw (a run given 4 GPUs that only ever
 # kept 1 busy runs as well on 1: the decider may trim a count on that evidence).
 BUSY, RUNS = "busy:", "runs:"
+# Family statistics "util:<type>" and "util_runs:<type>": the highest mean utilisation (%, the share of
+# time a kernel ran) the collector saw in a completed run on one GPU of that type, and how many such
+# runs it saw: the evidence that a MIG slice's share of the card's compute is enough for the job.
+UTIL, UTIL_RUNS = "util:", "util_runs:"
 
 
 def log_rate(elapsed_s: float, script_feats: Mapping[str, Any]) -> float:
@@ -322,6 +326,13 @@ class HistoryStats:
                 if int(count) <= gpus and float(most) >= log_tokens - 1e-9:
                     sizes.append(float(gib))
         return min(sizes, default=None)
+
+
+def util_bound(fam: Mapping[str, Any], gpu_type: str) -> tuple[float, int] | None:
+    """(the highest mean utilisation in %, runs seen) of the family's completed one-GPU runs on
+    GPU_TYPE; None without any."""
+    runs = int(fam.get(f"{UTIL_RUNS}{gpu_type}", 0))
+    return (float(fam[f"{UTIL}{gpu_type}"]), runs) if runs else None
 
 
 def busy_bound(fam: Mapping[str, Any], gpus: int) -> tuple[int, int] | None:

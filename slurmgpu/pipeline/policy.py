@@ -8,12 +8,13 @@ and — when the request cannot be satisfied at all — why it is refused before
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE, busy_bound, log_size, rate_keys
+from slurmgpu.pipeline.features import RATE, busy_bound, log_size, rate_keys, util_bound
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
@@ -85,6 +86,10 @@ FITS_AS_ASKED = "the request fits the partition it asks for"
 # The datasheet's weight against a family's measured speed slope, in squared log speed: a family
 # measured on two cards 1.6x apart (a V100 and an A10, say) counts as much as the datasheet.
 SPEED_PRIOR = 0.1
+# A script that talks between GPUs or processes: never moved to a MIG slice (an instance is one
+# device to one process; NCCL has no peer-to-peer or NVLink between instances).
+_DISTRIBUTED = re.compile(r"NCCL|torch\.distributed|init_process_group|DistributedDataParallel|deepspeed|horovod"
+                          r"|\bmpirun\b|\bmpiexec\b|--multi[_-]gpu", re.IGNORECASE)
 # Per bundle: the site's pooled speed slope, by the datasheet speeds it was computed with.
 _SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...], float]] = weakref.WeakKeyDictionary()
 
@@ -295,9 +300,12 @@ class ModelDecider:
         free = self.free_gpus() if self.wait is None else {}
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
         shapes: list[tuple[GpuType, int]] = []
+        slices = self._slice_evidence(request, sf, offered, need)
         for part in offered:
             for gtype in part.gpu_types:
                 if gtype != req_type and not self.runs_there(sf, req_type, gtype):
+                    continue
+                if self.config.gpu_types[gtype].is_slice and gtype != req_type and gtype not in slices:
                     continue
                 counts = range(min(fewest, req_total), min(req_total, part.gpus_per_node) + 1) \
                     if comp.nodes == 1 else [req_total]
@@ -306,6 +314,8 @@ class ModelDecider:
                               if c % comp.multiplier(comp.gpus[0].per) == 0)
         seen = self._seen(sf["family"], req_type, req_total)
         table = self.candidates(sf, req, shapes, min(fewest, req_total), free, busy[0] if busy else None)
+        if slices:
+            table = self._on_slices(table, slices, req_type)
         per_type = tuple(table)
         new_family = fam_n < policy.min_history
         too_new = f"model: {int(fam_n)} earlier jobs of this family (< {policy.min_history})"
@@ -387,8 +397,48 @@ class ModelDecider:
                    f"{self._fit_words(best, sf, req_total)}{_borderline(best, self.config.gpu_types[best.gpu_type])}")
         if busy and best.gpus < req_total:
             why += f"; this family's {busy[1]} runs on {req_total} GPUs kept at most {busy[0]} busy"
+        if best.gpu_type in slices:
+            why += f"; {slices[best.gpu_type]}"
         return Decision((change,), (*self._rule_reasons(rule), why), decider=self.name, per_type=per_type,
                         unrunnable=rule.unrunnable)
+
+    def _slice_evidence(self, request: JobRequest, sf: Mapping[str, Any], offered: Iterable[Partition],
+                        need: int | None) -> dict[str, str]:
+        """The MIG slices among the offered types the job may move to, each with the evidence in
+        words: only for ``balanced`` and ``cheapest`` (a slice is never faster), a one-GPU, one-node
+        job asked on a whole card whose script shows nothing distributed, and whose family's
+        completed one-GPU runs on that card (at least ``min_history``, with the collector's figures)
+        kept it busy no more of the time than the slice's share of that card's speed: a kernel
+        running ``u`` of the time on a card of speed ``s`` runs at most ``u * s / slice speed`` of
+        the time on the slice, so the job's wall time stays that of the card. The memory test is
+        the table's, on the prediction alone (``_on_slices``)."""
+        comp, types = request.main, self.config.gpu_types
+        slice_types = [t for p in offered for t in p.gpu_types if types[t].is_slice]
+        asked = types.get(comp.gpu_type or "")
+        if not slice_types or asked is None or asked.is_slice or self.config.policy.objective == "fastest" \
+                or comp.gpus_total != 1 or comp.nodes != 1 or (need or 1) > 1 or sf.get("nproc", 1) > 1 \
+                or request.script is None or _DISTRIBUTED.search(request.script.text):
+            return {}
+        bound = util_bound(self.bundle.history.family(sf["family"]), asked.name)
+        if bound is None or bound[1] < self.config.policy.min_history:
+            return {}
+        share = bound[0] / 100 * asked.relative_speed  # of the speed-1 card, the compute the job kept busy
+        return {t: (f"{t} is a MIG slice ({types[t].compute_fraction:.3g} of {types[t].mig_of}, speed "
+                    f"{types[t].relative_speed:g}): this family's {bound[1]} runs on 1 x {asked.name} (speed "
+                    f"{asked.relative_speed:g}) kept it at most {bound[0]:.0f}% busy, {share:.3g} of speed 1")
+                for t in dict.fromkeys(slice_types) if share <= types[t].relative_speed}
+
+    def _on_slices(self, table: list[Candidate], slices: Mapping[str, str], req_type: str | None) -> list[Candidate]:
+        """A slice row runs as long as the job runs as asked (the utilisation evidence says its
+        compute fits; ``_slice_evidence``) and fits only by its predicted peak with the margin: no
+        outcome on a whole card says anything of a slice's memory."""
+        asked = next((c for c in table if c.gpu_type == req_type and c.gpus == 1), None)
+        if asked is None:
+            return [c for c in table if c.gpu_type not in slices]
+        return [c._replace(pred_runtime_s=asked.pred_runtime_s, runtime_margin=asked.runtime_margin,
+                           fits=by_prediction(c.pred_peak_mem_mib, c.margin,
+                                              self.config.gpu_types[c.gpu_type].memory_gib))
+                if c.gpu_type in slices else c for c in table]
 
     @staticmethod
     def _rule_reasons(rule: Decision) -> tuple[str, ...]:
@@ -832,6 +882,10 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
     else:
         pool = [t for t in types if types[t].memory_gib >= ask.gib]
     count = comp.gpus_total or 1
+    if count > 1:  # a MIG instance is one process's device: a multi-GPU job needs whole cards
+        pool = [t for t in pool if not types[t].is_slice]
+        if not pool:
+            return refuse(f"only MIG slices hold it, and a slice cannot be one of {count} GPUs of a job")
     per_node = comp.gpus_per_node if comp.gpus and (comp.nodes_set or any(g.per != "job" for g in comp.gpus)) \
         else (1 if not comp.gpus else None)
 
