@@ -46,7 +46,7 @@ def test_compare_with_cluster(sample_config: Path) -> None:
     cfg = load_config(sample_config)
     nodes = [NodeInfo("n1", ("gpu", "debug"), parse_gres("gpu:a100:4(S:0),gpu:v100:4,nvme:1"), "idle",
                       ("a100", "v100")),
-             NodeInfo("n2", ("gpu-small", "debug"), parse_gres("gpu:t4:4(S:0)"), "idle", ("t4", "T4"))]
+             NodeInfo("n2", ("gpu-small", "debug"), parse_gres("gpu:t4:4(S:0)"), "idle", ("t4", "T4")), MIG_NODE]
     assert compare_with_cluster(cfg, nodes) == []
     nodes = [NodeInfo("n1", ("gpu",), parse_gres("gpu:a100:4,gpu:h100:8"))]
     problems = compare_with_cluster(cfg, nodes)
@@ -55,11 +55,16 @@ def test_compare_with_cluster(sample_config: Path) -> None:
     assert any(p.startswith("partition gpu: the cluster offers GPU type h100, unknown") for p in problems)
 
 
+# The local cluster's node of stand-in MIG instances (contrib/local-slurm/cluster.sh, node gpu3).
+MIG_NODE = NodeInfo("n3", ("mig",), parse_gres("gpu:a100_1g.10gb:4,gpu:a100_3g.40gb:2,shard:a100_1g.10gb:4"), "idle",
+                    ("mig", "a100_1g.10gb", "a100_3g.40gb"))
+
+
 def layout(gpu: dict[str, int], small: dict[str, int], *, big_parts: tuple[str, ...] = ("gpu",),
            big_features: tuple[str, ...] = ("a100", "v100"), extra: tuple[NodeInfo, ...] = ()) -> list[NodeInfo]:
-    """The local cluster's two nodes (contrib/local-slurm/cluster.sh), with one thing changed."""
+    """The local cluster's nodes (contrib/local-slurm/cluster.sh), with one thing changed."""
     return [NodeInfo("n1", big_parts, gpu, "idle", big_features),
-            NodeInfo("n2", ("gpu-small",), small, "idle", ("t4",)), *extra]
+            NodeInfo("n2", ("gpu-small",), small, "idle", ("t4",)), MIG_NODE, *extra]
 
 
 @pytest.mark.parametrize("nodes, expect", [
