@@ -57,7 +57,7 @@ def test_bad_input_one_line_no_traceback(tmp_path: Path, content: bytes | None, 
 
 def test_config_check_offline_and_bad(tmp_path: Path, sample_config: Path) -> None:
     res = sh(str(BIN / "slurmgpu"), "--config", str(sample_config), "config", "check", "--offline")
-    assert res.returncode == 0 and "valid (3 GPU types, 2 partitions)" in res.stdout
+    assert res.returncode == 0 and "valid (5 GPU types, 3 partitions)" in res.stdout
     bad = tmp_path / "c.toml"
     bad.write_text("[gpu_types.a100]\nmemory_gib = 0\n")
     res = sh(str(BIN / "slurmgpu"), "--config", str(bad), "config", "check", "--offline")

@@ -40,7 +40,9 @@ def config() -> Config:
 def local_cluster() -> list[NodeInfo]:
     """The layout contrib/local-slurm/cluster.sh builds (and the sample config describes)."""
     return [NodeInfo("gpu1", ("gpu", "debug"), {"a100": 4, "v100": 4}, "idle", ("a100", "a100-80gb", "v100")),
-            NodeInfo("gpu2", ("gpu-small", "debug"), {"t4": 4}, "idle", ("t4",))]
+            NodeInfo("gpu2", ("gpu-small", "debug"), {"t4": 4}, "idle", ("t4",)),
+            NodeInfo("gpu3", ("mig",), {"a100_1g.10gb": 4, "a100_3g.40gb": 2}, "idle",
+                     ("mig", "a100_1g.10gb", "a100_3g.40gb"))]
 
 
 def test_config_missing_invalid_valid(tmp_path: Path) -> None:
@@ -53,7 +55,7 @@ def test_config_missing_invalid_valid(tmp_path: Path) -> None:
     check, _ = doctor.check_config(str(tmp_path / "absent.toml"), load_config)
     assert check.status == FAIL and "config file not found" in check.detail
     check, cfg = doctor.check_config(str(SAMPLE), load_config)
-    assert check.status == OK and "3 GPU types, 2 partitions" in check.detail and cfg is not None
+    assert check.status == OK and "5 GPU types, 3 partitions" in check.detail and cfg is not None
 
 
 def test_cluster_check(config: Config) -> None:
@@ -68,7 +70,7 @@ def test_cluster_check(config: Config) -> None:
     small = [NodeInfo("n1", ("gpu",), {"a100": 2, "h100": 1})]
     check = doctor.check_cluster(config, lambda: small, compare_with_cluster)
     assert check.status == FAIL and check.detail.startswith("partition gpu: GPU type v100 is configured")
-    assert "(and 3 more)" in check.detail  # also: 2 a100 per node where the config says 4
+    assert "(and 4 more)" in check.detail  # also: 2 a100 per node where the config says 4; no mig
 
 
 def test_database_check(tmp_path: Path) -> None:

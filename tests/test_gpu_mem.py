@@ -86,8 +86,9 @@ MATRIX = {
 }
 # gsbatch reads Slurm's nodes for a partition the config does not describe: debug (both nodes)
 # holds every type, so the partition the user named is kept.
+# One GPU, not MATRIX's two: a MIG slice of partition mig (40 GiB) is the smallest card holding 40 GiB.
 LIVE = {**MATRIX, **{("debug", gib): (gtype, None) for (part, gib), (gtype, _) in MATRIX.items() if part == "gpu"},
-        ("debug", 8): ("t4", None), ("debug", 16): ("t4", None)}
+        ("debug", 8): ("t4", None), ("debug", 16): ("t4", None), ("gpu-small", 40): ("a100_3g.40gb", "mig")}
 
 
 @pytest.mark.parametrize(("partition", "gib"), sorted(MATRIX))
@@ -164,7 +165,8 @@ def test_a_partition_that_does_not_admit_the_job_is_not_used() -> None:
     def admits(partition: str, comp: object) -> str | None:
         return "account proj-x may not use it" if partition == "gpu" else None
 
-    p = plan_of(job("#SBATCH -p gpu-small", "#SBATCH --gres=gpu:1"), gpu_mem="24G",
+    # two GPUs: partition mig's 40 GiB slices, which admit the job, are no GPUs of a multi-GPU job
+    p = plan_of(job("#SBATCH -p gpu-small", "#SBATCH --gres=gpu:2"), gpu_mem="24G",
                 decider=RuleDecider(CONFIG, admits))
     assert p.decision.refusal and "no partition that has one admits the job (gpu: account proj-x may not use it)" \
         in p.decision.refusal
@@ -316,7 +318,7 @@ def _tres_type(job_id: str) -> tuple[str, str]:
     out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
                          check=True).stdout
     info = dict(re.findall(r"(\w+)=(\S*)", out))
-    m = re.fullmatch(r"(?:gres[:/])?gpu:(\w+):(\d+)", info.get("TresPerNode", ""))
+    m = re.fullmatch(r"(?:gres[:/])?gpu:([\w.]+):(\d+)", info.get("TresPerNode", ""))
     assert m, out
     return m.group(1), info["Partition"]
 

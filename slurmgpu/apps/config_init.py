@@ -120,8 +120,8 @@ def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluste
                 "# slurmgpu can tell them apart.", ""]
     cards = {m.card for t in types if (m := mig_profile(t)) is not None}
     for t in sorted(cards - set(types), key=str.lower):  # slices whose whole card no node offers
-        out += [f"# {t}: the card the MIG slices below are cut from (no node offers it whole)"]
-        out += _card_lines(t, nodes) + [""]
+        out += [f"# {t}: the card the MIG slices below are cut from (no node offers it whole)",
+                f"[gpu_types.{_key(t)}]", *_card_lines(t, nodes), ""]
     for t in types:
         out += [f"[gpu_types.{_key(t)}]", *_card_lines(t, nodes)]
         out += ["features = [" + ", ".join(f'"{f}"' for f in (t, *size_features(t, nodes))) + "]"]
