@@ -23,6 +23,7 @@ from slurmgpu.pipeline.hardware import mig_profile
 from slurmgpu.pipeline.policy import GpuMemAsk, ModelDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
+from slurmgpu.slurm.backend import _SHARD_ITEM as SHARD
 from slurmgpu.slurm.backend import NodeInfo, parse_gres
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +107,7 @@ def test_whole_cards_are_no_slices(name: str) -> None:
 def test_config_init_writes_slices_and_shards_that_load(tmp_path: Path) -> None:
     nodes = [NodeInfo("g1", ("gpu",), {"a100": 4}, "idle", ("a100-80gb",)),
              NodeInfo("g3", ("mig",), parse_gres("gpu:a100_1g.10gb:4,gpu:h100_3g.40gb:2"), "idle", (),
-                      parse_gres("shard:a100_1g.10gb:8,shard:h100_3g.40gb:2", re.compile(r"^shard(?::([^:(]+))?:(\d+)")))]
+                      parse_gres("shard:a100_1g.10gb:8,shard:h100_3g.40gb:2", SHARD))]
     text = config_text(nodes, "gpu")
     assert f'[gpu_types."{SLICE}"]' in text and 'mig_of = "a100"' in text and "shards = 2" in text
     assert "# h100: the card the MIG slices below are cut from" in text  # no whole h100 in the cluster
