@@ -58,22 +58,31 @@ def parse_squeue(text: str) -> list[QueuedJob]:
         if len(fields) < 9 or fields[8].startswith("JobHeld"):
             continue
         job_id, state, nodelist, left, limit, tres, num_nodes, partition = fields[:8]
-        gpus: dict[str, int] = {}
-        for item in tres.split(","):
-            key, _, value = item.partition("=")
-            if key.startswith("gres/gpu") and value.isdigit() and "gpumem" not in key and "gpuutil" not in key:
-                gpus[key[len("gres/gpu:"):] if ":" in key else ""] = int(value)
-        typed = {t: n for t, n in gpus.items() if t}
-        if not any(gpus.values()):
-            continue
         try:
             seconds = parse_duration(left if state == "R" else limit, "TimeLeft")
             nodes = nodelist_of(nodelist) if state == "R" else ()
         except (ParseError, ValueError):
             continue
-        jobs.append(QueuedJob(job_id, state == "R", nodes, float("inf") if seconds is None else float(seconds),
-                              typed or gpus, int(num_nodes) if num_nodes.isdigit() else 1, partition))
+        job = queued_job(job_id, state == "R", nodes, float("inf") if seconds is None else float(seconds), tres,
+                         int(num_nodes) if num_nodes.isdigit() else 1, partition)
+        if job is not None:
+            jobs.append(job)
     return jobs
+
+
+def queued_job(job_id: str, running: bool, nodes: tuple[str, ...], seconds: float, tres: str, num_nodes: int,
+               partition: str) -> QueuedJob | None:
+    """One queue entry from its TRES string (typed counts win over the untyped total); None without GPUs.
+    Shared by squeue's text (parse_squeue) and pyslurm's job records."""
+    gpus: dict[str, int] = {}
+    for item in tres.split(","):
+        key, _, value = item.partition("=")
+        if key.startswith("gres/gpu") and value.isdigit() and "gpumem" not in key and "gpuutil" not in key:
+            gpus[key[len("gres/gpu:"):] if ":" in key else ""] = int(value)
+    typed = {t: n for t, n in gpus.items() if t}
+    if not any(gpus.values()):
+        return None
+    return QueuedJob(job_id, running, nodes, seconds, typed or gpus, num_nodes, partition)
 
 
 class SlurmBackend(Protocol):
@@ -245,23 +254,6 @@ def which(command: str, env: Mapping[str, str]) -> str | None:
     return None
 
 
-class PyslurmBackend(CliBackend):
-    """Queries through pyslurm's node API; submission stays with sbatch."""
-
-    name = "pyslurm"
-
-    def __init__(self, module: object) -> None:
-        super().__init__()
-        self.pyslurm = module
-
-    def nodes(self) -> list[NodeInfo]:
-        # pyslurm >= 22.5: Node.configured_gres is a dict such as {"gpu:a100": 4}.
-        return [NodeInfo(n.name, tuple(n.partitions or ()),
-                         parse_gres(",".join(f"{k}:{v}" for k, v in (n.configured_gres or {}).items())),
-                         str(n.state), tuple(getattr(n, "available_features", None) or ()))
-                for n in self.pyslurm.Nodes.load().values()]  # type: ignore[attr-defined]
-
-
 def _major_minor(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
 
@@ -286,4 +278,8 @@ def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
     theirs = str(getattr(pyslurm, "__version__", ""))
     if _major_minor(theirs) != _major_minor(running):
         return cli
-    return PyslurmBackend(pyslurm)
+    import importlib
+
+    # Loaded by name: pyslurm_backend builds on this module, which must not import it back.
+    backend: SlurmBackend = importlib.import_module("slurmgpu.slurm.pyslurm_backend").PyslurmBackend(pyslurm)
+    return backend
