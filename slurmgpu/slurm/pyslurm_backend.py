@@ -75,7 +75,10 @@ class PyslurmBackend(CliBackend):
 
     def partitions(self) -> dict[str, PartitionRules]:
         """Every partition's access rules, as partitions.parse_partitions reads them from scontrol."""
-        return {str(p.name): _rules(p) for p in self._call("partitions", self.pyslurm.Partitions.load).values()}
+        # Partition.allow_root_jobs reads False on pyslurm 22.5.3 whatever DisableRootJobs says: the dict API's flag.
+        flags = self._call("partitions", lambda: self.pyslurm.partition().get())
+        return {str(p.name): _rules(p, bool((flags.get(p.name) or {}).get("flags", {}).get("DisableRootJobs")))
+                for p in self._call("partitions", self.pyslurm.Partitions.load).values()}
 
     def queue(self) -> list[QueuedJob]:
         """Running and pending GPU jobs, highest priority first (squeue --sort=-p,i); held jobs left out."""
@@ -143,7 +146,7 @@ def _limit(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _rules(p: Any) -> PartitionRules:
+def _rules(p: Any, disable_root_jobs: bool) -> PartitionRules:
     nodes_text = str(p.nodes or "")
     try:
         nodes: frozenset[str] | None = None if nodes_text.upper() == "ALL" else frozenset(expand_hostlist(nodes_text))
@@ -154,7 +157,7 @@ def _rules(p: Any) -> PartitionRules:
         allow_groups=_allowed(p.allowed_groups), allow_accounts=_allowed(p.allowed_accounts),
         deny_accounts=_denied(p.denied_accounts), allow_qos=_allowed(p.allowed_qos), deny_qos=_denied(p.denied_qos),
         max_time_min=_limit(p.max_time), max_nodes=_limit(p.max_nodes), nodes=nodes,
-        root_only=bool(p.is_root_only), disable_root_jobs=not p.allow_root_jobs)
+        root_only=bool(p.is_root_only), disable_root_jobs=disable_root_jobs)
 
 
 def _epoch(t: datetime) -> int:
