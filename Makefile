@@ -5,9 +5,14 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install demo test test-unit test-slurm-diff bench evaluate replay lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install pyslurm demo test test-unit test-slurm-diff bench evaluate replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
+	-@sh contrib/pyslurm/install.sh $(PY)
+
+# pyslurm matched to the running Slurm (else one line, and the CLI backend): contrib/pyslurm/install.sh.
+pyslurm: $(VENV)/.installed
+	-@sh contrib/pyslurm/install.sh $(PY)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -23,7 +23,7 @@ from slurmgpu.pipeline.hardware import mig_profile
 from slurmgpu.pipeline.policy import GpuMemAsk, ModelDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
-from slurmgpu.slurm.backend import _SHARD_ITEM as SHARD
+from slurmgpu.slurm.backend import SHARD_ITEM as SHARD
 from slurmgpu.slurm.backend import NodeInfo, parse_gres
 
 ROOT = Path(__file__).resolve().parent.parent

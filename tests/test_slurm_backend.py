@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from slurmgpu.slurm import backend as slurm
+from slurmgpu.slurm.pyslurm_backend import PyslurmBackend
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -58,7 +59,7 @@ def test_pyslurm_nodes_use_its_gres_dict() -> None:
     node = types.SimpleNamespace(name="g1", partitions=["gpu"], configured_gres={"gpu:a100": 4, "gpu": 2},
                                  state="IDLE", available_features=["a100"])
     fake = types.SimpleNamespace(Nodes=types.SimpleNamespace(load=lambda: {"g1": node}))
-    [info] = slurm.PyslurmBackend(fake).nodes()
+    [info] = PyslurmBackend(fake).nodes()
     assert info.partitions == ("gpu",) and dict(info.gpus) == {"a100": 4, "": 2} and info.features == ("a100",)
 
 

@@ -137,7 +137,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     from slurmgpu.apps.site import model_path
     from slurmgpu.pipeline.queue import GpuLedger
     from slurmgpu.pipeline.sbatch_options import release_of, use_slurm_version
-    from slurmgpu.slurm.backend import CliBackend, SlurmError
+    from slurmgpu.slurm.backend import SlurmError, select_backend
     from slurmgpu.slurm.partitions import read_partitions
 
     try:
@@ -151,7 +151,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s slurmgpu serve: %(message)s")
     try:
         access = serve_socket.access_for(group, slurm_user, run_as)
-        backend = CliBackend()
+        backend = select_backend()  # pyslurm when it matches the running Slurm (docs/admins/pyslurm.md)
         try:  # requests' options are read as this Slurm's sbatch reads them
             use_slurm_version(release_of(backend.version()))
         except SlurmError:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 _GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)")
-_SHARD_ITEM = re.compile(r"^shard(?::([^:(]+))?:(\d+)")
+SHARD_ITEM = re.compile(r"^shard(?::([^:(]+))?:(\d+)")
 
 
 class SlurmError(RuntimeError):
@@ -60,22 +60,31 @@ def parse_squeue(text: str) -> list[QueuedJob]:
         if len(fields) < 9 or fields[8].startswith("JobHeld"):
             continue
         job_id, state, nodelist, left, limit, tres, num_nodes, partition = fields[:8]
-        gpus: dict[str, int] = {}
-        for item in tres.split(","):
-            key, _, value = item.partition("=")
-            if key.startswith("gres/gpu") and value.isdigit() and "gpumem" not in key and "gpuutil" not in key:
-                gpus[key[len("gres/gpu:"):] if ":" in key else ""] = int(value)
-        typed = {t: n for t, n in gpus.items() if t}
-        if not any(gpus.values()):
-            continue
         try:
             seconds = parse_duration(left if state == "R" else limit, "TimeLeft")
             nodes = nodelist_of(nodelist) if state == "R" else ()
         except (ParseError, ValueError):
             continue
-        jobs.append(QueuedJob(job_id, state == "R", nodes, float("inf") if seconds is None else float(seconds),
-                              typed or gpus, int(num_nodes) if num_nodes.isdigit() else 1, partition))
+        job = queued_job(job_id, state == "R", nodes, float("inf") if seconds is None else float(seconds), tres,
+                         int(num_nodes) if num_nodes.isdigit() else 1, partition)
+        if job is not None:
+            jobs.append(job)
     return jobs
+
+
+def queued_job(job_id: str, running: bool, nodes: tuple[str, ...], seconds: float, tres: str, num_nodes: int,
+               partition: str) -> QueuedJob | None:
+    """One queue entry from its TRES string (typed counts win over the untyped total); None without GPUs.
+    Shared by squeue's text (parse_squeue) and pyslurm's job records."""
+    gpus: dict[str, int] = {}
+    for item in tres.split(","):
+        key, _, value = item.partition("=")
+        if key.startswith("gres/gpu") and value.isdigit() and "gpumem" not in key and "gpuutil" not in key:
+            gpus[key[len("gres/gpu:"):] if ":" in key else ""] = int(value)
+    typed = {t: n for t, n in gpus.items() if t}
+    if not any(gpus.values()):
+        return None
+    return QueuedJob(job_id, running, nodes, seconds, typed or gpus, num_nodes, partition)
 
 
 class SlurmBackend(Protocol):
@@ -108,7 +117,7 @@ _JOB_ID = re.compile(rb"^(?:Submitted batch job )?(\d+)(?:;\S+)?\s*$")
 
 def parse_gres(gres: str, item: re.Pattern[str] = _GRES_ITEM) -> dict[str, int]:
     """``gpu:a100:4(S:0),gpu:v100:2`` -> {'a100': 4, 'v100': 2} (other gres dropped); with
-    ``item=_SHARD_ITEM``, the shards: sinfo says ``shard:a100:8``, by the GPU type they share."""
+    ``item=SHARD_ITEM``, the shards: sinfo says ``shard:a100:8``, by the GPU type they share."""
     out: dict[str, int] = {}
     if gres in ("", "(null)"):
         return out
@@ -185,7 +194,7 @@ class CliBackend:
                 merged[name] = merged[name]._replace(partitions=(*merged[name].partitions, part))
             else:
                 merged[name] = NodeInfo(name, (part,), parse_gres(gres), state, _features(features),
-                                        parse_gres(gres, _SHARD_ITEM))
+                                        parse_gres(gres, SHARD_ITEM))
         return list(merged.values())
 
     def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted:
@@ -249,25 +258,6 @@ def which(command: str, env: Mapping[str, str]) -> str | None:
     return None
 
 
-class PyslurmBackend(CliBackend):
-    """Queries through pyslurm's node API; submission stays with sbatch."""
-
-    name = "pyslurm"
-
-    def __init__(self, module: object) -> None:
-        super().__init__()
-        self.pyslurm = module
-
-    def nodes(self) -> list[NodeInfo]:
-        # pyslurm >= 22.5: Node.configured_gres is a dict such as {"gpu:a100": 4}.
-        out = []
-        for n in self.pyslurm.Nodes.load().values():  # type: ignore[attr-defined]
-            gres = ",".join(f"{k}:{v}" for k, v in (n.configured_gres or {}).items())
-            out.append(NodeInfo(n.name, tuple(n.partitions or ()), parse_gres(gres), str(n.state),
-                                tuple(getattr(n, "available_features", None) or ()), parse_gres(gres, _SHARD_ITEM)))
-        return out
-
-
 def _major_minor(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
 
@@ -292,4 +282,8 @@ def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
     theirs = str(getattr(pyslurm, "__version__", ""))
     if _major_minor(theirs) != _major_minor(running):
         return cli
-    return PyslurmBackend(pyslurm)
+    import importlib
+
+    # Loaded by name: pyslurm_backend builds on this module, which must not import it back.
+    backend: SlurmBackend = importlib.import_module("slurmgpu.slurm.pyslurm_backend").PyslurmBackend(pyslurm)
+    return backend
