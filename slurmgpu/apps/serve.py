@@ -85,6 +85,7 @@ from datetime import UTC, date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu import __version__
+from slurmgpu.apps import metrics
 from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, call  # noqa: F401 - re-exported
 from slurmgpu.apps.site import slurm_admits
 from slurmgpu.pipeline.bundle import Bundle  # imported here, as root: after --run-as the install may be unreadable
@@ -109,6 +110,7 @@ from slurmgpu.slurm.partitions import PartitionRules
 
 FREE_GPUS_EVERY_S = 10.0
 HISTORY_OPS = ("seff", "jobs", "report")
+DECISION_SOURCES = {"decide": "hook", "plan": "gsbatch"}  # op -> its metrics label (apps.metrics)
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
 
 log = logging.getLogger("slurmgpu.apps.serve")
@@ -507,6 +509,11 @@ class Service:
         """The reply to a decide request (raises InputError for an unreadable job). ``record``: the
         decision goes into the spool (when this daemon records), and a model decision the hook
         applies carries a decision tag for the job's comment, which links the job to the record."""
+        return self.decide_request(job, who, record)[0]
+
+    def decide_request(self, job: Mapping[str, Any], who: Who | None = None,
+                       record: bool = False) -> tuple[dict[str, Any], JobRequest]:
+        """``decide``, and the job's request as read (what the metrics compare the decision with)."""
         who = who or identify(job, None)
         request = job_request(job, self.features)
         script = request.script
@@ -529,7 +536,7 @@ class Service:
         out["model_version"] = version if out.get("decider") == "model" else None
         if record and self.records is not None:
             out = self.records.add(out, job, request, who)
-        return out
+        return out, request
 
     def resolution(self, who: Who, account: Any, partition: Any,
                    script_text: str | None) -> tuple[Resolution, str | None]:
@@ -591,6 +598,7 @@ class Service:
         t0 = time.perf_counter()
         self.tally()
         who = Who(None, peer.uid if peer else None, "peer" if peer else "caller")
+        op: Any = None
         try:
             message = json.loads(line.decode("utf-8", "surrogateescape"))
             op = message.get("op") if isinstance(message, dict) else None
@@ -606,12 +614,16 @@ class Service:
             if not isinstance(message.get("job"), dict):
                 raise InputError("'job' must be an object")
             # recorded as the hook's decision only when slurmctld asks (or an in-process caller)
-            decision = self.decide(message["job"], who, record=peer is None or peer.trusted)
+            decision, request = self.decide_request(message["job"], who, record=peer is None or peer.trusted)
         except (InputError, ValueError, UnicodeError, RecursionError) as exc:
             self._log(who, t0, error=str(exc))
+            if op in DECISION_SOURCES:
+                metrics.record_decision(DECISION_SOURCES[op], None, time.perf_counter() - t0, error="bad_request")
             return {"ok": False, "error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a fault of ours must not take the daemon down
             log.exception("internal error")
+            if op in DECISION_SOURCES:
+                metrics.record_decision(DECISION_SOURCES[op], None, time.perf_counter() - t0, error="internal")
             return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
         result = (f"refused: {decision['refused']}" if decision["refused"] else
                   " ".join(f"{k}={v}" for k, v in decision["apply"].items()) or "kept")
@@ -621,6 +633,9 @@ class Service:
             result = f"kept: {decision['reasons'][0]}"
         self._log(who, t0, request=decision["request"], result=result, decider=decision["decider"],
                   mode=decision.get("mode", "rewrite"))
+        main = request.main
+        metrics.record_decision("hook", decision, time.perf_counter() - t0, main.gpu_type, main.gpus_total,
+                                self.config.gpu_types)
         return {"ok": True, "decision": decision}
 
     def plan(self, message: Mapping[str, Any], who: Who | None = None, decider: Decider | None = None) -> Plan:
@@ -652,8 +667,10 @@ class Service:
             made, version = self.versioned_plan(message, who)
         except InputError as exc:
             self._log(who, t0, error=str(exc))
+            metrics.record_decision("gsbatch", None, time.perf_counter() - t0, error="bad_request")
             return {"ok": False, "input_error": str(exc)}
         decision = made.decision
+        waived = False
         result = (f"refused: {decision.refusal}" if decision.refusal else
                   "rewritten" if made.submission.changed else "kept")
         mode = "rewrite"
@@ -664,12 +681,17 @@ class Service:
                                      made.request.script.text if made.request.script else None)
             mode = res.mode
             if made.submission.changed and res.waiver is not None:
-                result = f"kept: {res.waiver.text()}"
+                result, waived = f"kept: {res.waiver.text()}", True
             elif made.submission.changed and res.mode == ADVISE:
                 result = "advised"
         self._log(who, t0, request=describe(made.request.main) if made.request else "-", result=result,
                   decider=decision.decider, mode=mode)
-        return {"ok": True, "plan": {**made.to_json(), "model_version": version}}
+        plan = made.to_json()
+        if made.request is not None:
+            main = made.request.main
+            metrics.record_decision("gsbatch", {**plan["decision"], "mode": mode, "waiver": waived},
+                                    time.perf_counter() - t0, main.gpu_type, main.gpus_total, self.config.gpu_types)
+        return {"ok": True, "plan": {**plan, "model_version": version}}
 
     @staticmethod
     def slow(line: bytes) -> bool:

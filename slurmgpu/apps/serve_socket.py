@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from slurmgpu.apps import metrics
 from slurmgpu.apps.daemon_client import MAX_REQUEST_BYTES, call
 from slurmgpu.apps.serve import Peer, Service
 from slurmgpu.pipeline.errors import InputError
@@ -285,9 +286,10 @@ class Server:
         """Answer one line in a forked child, within ``WORK_BUDGET_S``. A child, not this thread:
         the GIL is not released while a regular expression backtracks (a 120 KB script held it for
         5 s), so CPU spent here on one request would stall every answer and health check; a child
-        has its own, and is killed when its time is up. It sends one JSON line, the reply, then one
-        per decision record it made (built there: a record reads the script too), which the writer
-        thread here writes; the reply is passed on when the child is done, its records queued first."""
+        has its own, and is killed when its time is up. It sends one JSON line, the reply, then its
+        metrics observations (counted here), then one per decision record it made (built there: a
+        record reads the script too), which the writer thread here writes; the reply is passed on when
+        the child is done, its records queued first."""
         records = self.service.records
         with self.forking:  # no other child may inherit this pipe's write end: its EOF would wait
             read_end, write_end = os.pipe()
@@ -299,8 +301,12 @@ class Server:
                     built: list[Callable[[], dict[str, Any]]] = []
                     if records is not None:
                         records.sink = built.append
+                    observed: list[metrics.Observed] = []
+                    metrics.defer(observed.append)  # counted by the parent: a child leaves no value files
                     with os.fdopen(write_end, "wb") as out:
                         out.write(_json_line(self.service.handle(line, peer)))
+                        for seen in observed:
+                            out.write(_json_line({"observed": list(seen)}))
                         out.flush()
                         for build in built:
                             try:
@@ -333,7 +339,9 @@ class Server:
             # Records are queued before the reply goes: once a client has its answer, its record is
             # the writer's (a daemon stopping then still flushes it).
             for item in items[1:]:
-                if records is not None:
+                if "observed" in item:
+                    metrics.record(metrics.Observed._make(item["observed"]))
+                elif records is not None:
                     records.put(functools.partial(_made, item))
             answer(items[0] if items else
                    {"ok": False, "error": "internal error: the request's process ended without an answer"})

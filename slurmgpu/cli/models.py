@@ -151,9 +151,41 @@ def predict_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...]
 
 
 @click.command("nightly")
+@click.option("--metrics-textfile", metavar="PATH.prom", type=click.Path(dir_okay=False),
+              help="Write the run's Prometheus metrics here for node_exporter's textfile collector "
+                   "(0644, replaced atomically; docs/admins/metrics.md).")
 @click.pass_context
-def nightly_cmd(ctx: click.Context) -> None:
+def nightly_cmd(ctx: click.Context, metrics_textfile: str | None) -> None:
     """Ingest (sacct and spools), then retrain, keeping the old model if the new one is worse."""
+    import time
+
+    started, ok = time.time(), False
+    try:
+        _nightly(ctx)
+        ok = True
+    finally:
+        if metrics_textfile:
+            _nightly_metrics(ctx, metrics_textfile, ok, started)
+
+
+def _nightly_metrics(ctx: click.Context, path: str, ok: bool, started: float) -> None:
+    """The run's outcome and the installed model's version and evaluation, as a textfile."""
+    import time
+
+    from slurmgpu.apps import metrics
+    from slurmgpu.pipeline.bundle import Bundle
+
+    try:
+        model = Bundle.load(model_path(ctx))
+    except (OSError, ValueError, KeyError):
+        model = None  # none installed yet: the run's outcome alone
+    try:
+        metrics.write_textfile(path, metrics.nightly_registry(ok, started, time.time(), model))
+    except OSError as exc:
+        fail(InputError(f"cannot write: {exc.strerror}", file=path))
+
+
+def _nightly(ctx: click.Context) -> None:
     from datetime import datetime
 
     def log(msg: str) -> None:

@@ -125,9 +125,17 @@ def _write(path: str, text: str) -> None:
 @click.option("--run-as", metavar="USER", help="Once the socket is bound, drop root and run as USER.")
 @click.option("--reload-s", type=click.FloatRange(0.2, 300), default=2.0, show_default=True,
               help="How often the model file is checked for a new version.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="N",
+              help="Serve Prometheus metrics at http://ADDRESS:N/metrics (docs/admins/metrics.md).")
+@click.option("--metrics-address", default="127.0.0.1", show_default=True,
+              help="Address the metrics port listens on.")
+@click.option("--metrics-dir", metavar="DIR",
+              help="Where each process keeps its metric values (made 0700; emptied at start). "
+                   "Default: a new private temporary directory.")
 @click.pass_context
 def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm_user: str, model: str | None,
-              run_as: str | None, reload_s: float) -> None:
+              run_as: str | None, reload_s: float, metrics_port: int | None, metrics_address: str,
+              metrics_dir: str | None) -> None:
     """Answer GPU decisions on a Unix socket, for job_submit.lua and gsbatch (until SIGTERM).
 
     One JSON object per line: {"op": "decide", "job": {...}} or {"op": "health"}; see
@@ -148,6 +156,7 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
         fail(InputError(f"invalid mode {mode!r} (expected octal, e.g. 0660)", option="--mode"))
     config = site_config(ctx)
     assert config is not None
+    temporary = False  # the metrics directory is a temporary one of this run
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s slurmgpu serve: %(message)s")
     try:
         access = serve_socket.access_for(group, slurm_user, run_as)
@@ -164,9 +173,38 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
                                 record_spool=os.path.expanduser(spool) if spool else None,
                                 database_url=db_url(ctx))  # seff, jobs, report for users who cannot read it
         server = serve_socket.Server(socket_path, service, access, file_mode)
+        if metrics_port is not None:
+            temporary = metrics_dir is None
+            metrics_dir = _start_metrics(metrics_address, metrics_port, metrics_dir, run_as)
+        elif metrics_dir is not None:
+            raise InputError("needs --metrics-port", option="--metrics-dir")
     except (InputError, OSError) as exc:
         fail(exc)
-    serve_socket.run(server, run_as)
+    try:
+        serve_socket.run(server, run_as)
+    finally:
+        if temporary and metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _start_metrics(address: str, port: int, directory: str | None, run_as: str | None) -> str:
+    """Count decisions and serve them on ADDRESS:PORT, bound now (before --run-as drops root); the
+    values' directory, a private temporary one unless given."""
+    import pwd
+    import tempfile
+
+    from slurmgpu.apps import metrics
+
+    owner = pwd.getpwnam(run_as).pw_uid if run_as else None
+    directory = os.path.abspath(directory) if directory else tempfile.mkdtemp(prefix="slurmgpu-metrics-")
+    metrics.enable(directory, owner)
+    try:
+        metrics.serve_http(address, port)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {address}:{port}: {exc.strerror or exc}", option="--metrics-port") \
+            from None
+    logging.getLogger("slurmgpu.apps.serve").info("metrics on http://%s:%d/metrics", address, port)
+    return directory
 
 
 @click.group("lua")
