@@ -408,6 +408,7 @@ class Service:
         self.count = 0  # requests handled (several threads count: see _counter)
         self.stopped = threading.Event()
         self.today: Callable[[], date] = date.today  # waivers expire by this clock (tests freeze it)
+        self.watch_model = True  # False in a worker of serve_workers: its supervisor reloads the model
         if self.model_path and not self.check_model():
             log.warning("no usable model yet (%s): requests are kept as written until one appears", self.model.error)
 
@@ -471,7 +472,7 @@ class Service:
                 next_free = time.monotonic() + FREE_GPUS_EVERY_S
             if self.stopped.wait(self.reload_s):
                 return
-            if self.model_path:
+            if self.model_path and self.watch_model:
                 self.check_model()
 
     def start(self) -> None:

@@ -6,6 +6,7 @@ with each client's kernel-reported identity (a request never says who it is for;
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import grp
 import json
@@ -23,7 +24,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.apps import metrics
 from slurmgpu.apps.daemon_client import MAX_REQUEST_BYTES, call
@@ -38,6 +40,7 @@ WORK_BUDGET_S = 2.0  # a child answering one line is killed past this (any clien
 MAX_CLIENTS = 512
 TRUSTED_RESERVE = 64  # of MAX_CLIENTS, for trusted peers only (slurmctld's hook, root): others never get them
 MAX_PER_USER = 64  # connections one untrusted uid may hold open (a gsbatch holds one, for milliseconds)
+DRAIN_S = READ_TIMEOUT_S  # a stopping worker (serve_workers) answers the connections it holds for this long
 log = logging.getLogger("slurmgpu.apps.serve")
 
 class Access(NamedTuple):
@@ -65,6 +68,30 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return pid, uid, gid
 
+
+class ConnectionCounts(Protocol):
+    """Admitted connections per uid: this process's (``Counts``), or every worker's (serve_workers).
+    Checking the limits and counting one in happen under ``lock``, so no two processes both take
+    the last slot."""
+
+    lock: AbstractContextManager[Any]
+
+    def __getitem__(self, uid: int) -> int: ...
+
+    def total(self) -> int: ...
+
+    def add(self, uid: int, n: int) -> None: ...
+
+
+class Counts(Counter[int]):
+    """Admitted connections per uid in this process (one I/O thread: no lock needed)."""
+
+    lock: AbstractContextManager[Any] = contextlib.nullcontext()
+
+    def add(self, uid: int, n: int) -> None:
+        self[uid] += n
+        if not self[uid]:
+            del self[uid]
 
 
 class _Client:
@@ -100,12 +127,16 @@ class Server:
     The socket file is made private first, then given its group and mode.
     """
 
-    def __init__(self, path: str, service: Service, access: Access, mode: int = 0o660) -> None:
+    def __init__(self, path: str, service: Service, access: Access, mode: int = 0o660,
+                 listener: socket.socket | None = None, counts: ConnectionCounts | None = None) -> None:
+        """``listener``: a socket already bound and listening (a worker of serve_workers, which
+        shares it and leaves its file alone); ``counts``: the connections every worker holds."""
         self.path, self.service, self.access = path, service, access
         self.inode: int | None = None  # of the socket file this server made; only that one is removed
         self.stopping = threading.Event()
+        self.drain_until: float | None = None  # stopping: answer the connections held until then
         self.clients: dict[socket.socket, _Client] = {}
-        self.open: Counter[int] = Counter()  # admitted connections per uid
+        self.open: ConnectionCounts = Counts() if counts is None else counts  # admitted connections per uid
         self.selector = selectors.DefaultSelector()
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="slurmgpu-serve")
         self.forking = threading.Lock()  # one fork at a time (see _in_child)
@@ -113,28 +144,22 @@ class Server:
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            prepare_socket_path(path)
-            old = os.umask(0o177)
+        if listener is None:
             try:
-                self.sock.bind(path)
-            finally:
-                os.umask(old)
-            self.inode = os.stat(path).st_ino
-            os.chown(path, -1, -1 if access.gid is None else access.gid)
-            os.chmod(path, mode)
-            self.sock.listen(128)  # a burst of gsbatch clients must not find the backlog full
-        except BaseException:
-            self.server_close()
-            raise
+                self.sock, self.inode = bind(path, access, mode)
+            except BaseException:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.server_close()
+                raise
+        else:
+            self.sock = listener
         self.sock.setblocking(False)
         self.selector.register(self.sock, selectors.EVENT_READ)
         self.selector.register(self.wake_r, selectors.EVENT_READ)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         next_sweep = time.monotonic() + 0.5
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() or self._draining():
             for key, events in self.selector.select(min(poll_interval, 0.5)):
                 try:
                     if key.fileobj is self.sock:
@@ -169,6 +194,20 @@ class Server:
         """Make serve_forever return (within its poll interval); safe from a signal handler."""
         self.stopping.set()
 
+    def drain(self, seconds: float = DRAIN_S) -> None:
+        """Stop accepting, answer the connections already held (for ``seconds`` at most), then make
+        serve_forever return: a worker being replaced drops no request. Safe from a signal handler."""
+        self.drain_until = time.monotonic() + seconds
+        self.stopping.set()
+
+    def _draining(self) -> bool:
+        """In serve_forever, once stopping: whether to go on answering the connections held."""
+        if self.drain_until is None or not self.clients or time.monotonic() > self.drain_until:
+            return False
+        if self.sock.fileno() >= 0 and self.sock in self.selector.get_map():
+            self.selector.unregister(self.sock)  # new connections wait in the backlog for another worker
+        return True
+
     def server_close(self) -> None:
         """Close every connection and remove the socket file (once serve_forever has returned)."""
         for client in list(self.clients.values()):
@@ -194,11 +233,12 @@ class Server:
         client = _Client(sock, Peer(pid, uid, gid, uid in self.access.trusted))
         self.clients[sock] = client
         self._want(client, selectors.EVENT_READ)
-        refusal = self._refusal(client.peer)
-        if refusal is None:
-            client.admitted = True
-            self.open[uid] += 1
-        else:
+        with self.open.lock:  # checked and counted at once: other workers count on the same slots
+            refusal = self._refusal(client.peer)
+            if refusal is None:
+                client.admitted = True
+                self.open.add(uid, 1)
+        if refusal is not None:
             log.warning("refused a connection from uid %d: %s", uid, refusal)
             self._send(client, {"ok": False, "error": refusal}, last=True)
 
@@ -404,9 +444,8 @@ class Server:
             self._want(client, 0)
             client.sock.close()
             if client.admitted:
-                self.open[client.peer.uid] -= 1
-                if not self.open[client.peer.uid]:
-                    del self.open[client.peer.uid]
+                with self.open.lock:
+                    self.open.add(client.peer.uid, -1)
 
 
 def _json_line(value: Mapping[str, Any]) -> bytes:
@@ -418,6 +457,31 @@ def _made(item: Mapping[str, Any]) -> dict[str, Any]:
     if "record" not in item:
         raise ValueError(item.get("error"))
     return dict(item["record"])
+
+
+def bind(path: str, access: Access, mode: int) -> tuple[socket.socket, int]:
+    """A listening socket at ``path`` and its file's inode: made private first, then given its
+    group and mode."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        prepare_socket_path(path)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        inode = os.stat(path).st_ino
+        try:
+            os.chown(path, -1, -1 if access.gid is None else access.gid)
+            os.chmod(path, mode)
+            sock.listen(128)  # a burst of gsbatch clients must not find the backlog full
+        except BaseException:
+            os.unlink(path)
+            raise
+    except BaseException:
+        sock.close()
+        raise
+    return sock, inode
 
 
 def prepare_socket_path(path: str) -> None:

@@ -125,6 +125,8 @@ def _write(path: str, text: str) -> None:
 @click.option("--run-as", metavar="USER", help="Once the socket is bound, drop root and run as USER.")
 @click.option("--reload-s", type=click.FloatRange(0.2, 300), default=2.0, show_default=True,
               help="How often the model file is checked for a new version.")
+@click.option("--workers", type=click.IntRange(1, 256), default=None,
+              help="Worker processes answering on the socket (default: one per core; 1: a single process).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="N",
               help="Serve Prometheus metrics at http://ADDRESS:N/metrics (docs/admins/metrics.md).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True,
@@ -134,14 +136,15 @@ def _write(path: str, text: str) -> None:
                    "Default: a new private temporary directory.")
 @click.pass_context
 def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm_user: str, model: str | None,
-              run_as: str | None, reload_s: float, metrics_port: int | None, metrics_address: str,
-              metrics_dir: str | None) -> None:
+              run_as: str | None, reload_s: float, workers: int | None, metrics_port: int | None,
+              metrics_address: str, metrics_dir: str | None) -> None:
     """Answer GPU decisions on a Unix socket, for job_submit.lua and gsbatch (until SIGTERM).
 
     One JSON object per line: {"op": "decide", "job": {...}} or {"op": "health"}; see
     `pydoc slurmgpu.apps.serve` for the fields. One log line per decision goes to stderr.
+    With several workers, SIGHUP reloads the model and replaces them without dropping a request.
     """
-    from slurmgpu.apps import serve, serve_socket
+    from slurmgpu.apps import serve, serve_socket, serve_workers
     from slurmgpu.apps.site import model_path
     from slurmgpu.pipeline.queue import GpuLedger
     from slurmgpu.pipeline.sbatch_options import release_of, use_slurm_version
@@ -172,7 +175,11 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
                                 queue=lambda: GpuLedger.from_queue(backend.nodes(), backend.queue()),
                                 record_spool=os.path.expanduser(spool) if spool else None,
                                 database_url=db_url(ctx))  # seff, jobs, report for users who cannot read it
-        server = serve_socket.Server(socket_path, service, access, file_mode)
+        workers = workers or serve_workers.default_workers()
+        if workers > 1:
+            supervisor = serve_workers.Supervisor(socket_path, service, access, file_mode, workers)
+        else:
+            server = serve_socket.Server(socket_path, service, access, file_mode)
         if metrics_port is not None:
             temporary = metrics_dir is None
             metrics_dir = _start_metrics(metrics_address, metrics_port, metrics_dir, run_as)
@@ -181,7 +188,10 @@ def serve_cmd(ctx: click.Context, socket_path: str, mode: str, group: str, slurm
     except (InputError, OSError) as exc:
         fail(exc)
     try:
-        serve_socket.run(server, run_as)
+        if workers > 1:
+            supervisor.run(run_as)  # metrics, when on, are enabled above: before any worker is forked
+        else:
+            serve_socket.run(server, run_as)
     finally:
         if temporary and metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
