@@ -22,10 +22,11 @@ local CONFIG = {
 -- The slurmgpu config when rendered: every answer is checked against it before it is applied
 -- (GPU types, per-partition types and counts). nil: rendered without a config, no answer is applied.
 local SITE = {
-    types = {["a100"] = true, ["v100"] = true, ["t4"] = true},
+    types = {["a100"] = true, ["v100"] = true, ["t4"] = true, ["a100_1g.10gb"] = true, ["a100_3g.40gb"] = true},
     partitions = {
         ["gpu"] = { types = {["a100"] = true, ["v100"] = true}, per_node = 4, total = 4 },
         ["gpu-small"] = { types = {["t4"] = true}, per_node = 4, total = 4 },
+        ["mig"] = { types = {["a100_1g.10gb"] = true, ["a100_3g.40gb"] = true}, per_node = 4, total = 4 },
     },
 }
 
