@@ -107,5 +107,9 @@ def test_a_move_to_a_slower_card_whose_upper_runtime_passes_the_limit_is_not_tak
     # predicted no slower than as asked, but slower on the datasheet: the upper runtime still counts
     assert not decider._in_time(slow._replace(pred_runtime_s=2.9 * 3600), asked, 4 * 3600)
     # a faster card shares the job's own uncertainty with the request
-    fast = Candidate("h100", 1, True, 20_000, 3.5 * 3600, 0.0, runtime_margin=1.5)
+    fast = Candidate("h100", 1, True, 20_000, 2.5 * 3600, 0.0, runtime_margin=1.7)
     assert decider._in_time(fast, asked, 4 * 3600)
+    # within the limit, but finishing sooner than as asked only at its median: the request stands
+    near = slow._replace(expected_wait_s=8 * 3600)
+    assert decider._in_time(near, asked, 24 * 3600) and not decider._clear_gain(near, asked)
+    assert decider._clear_gain(slow, asked) and decider._clear_gain(fast, asked)

@@ -12,6 +12,7 @@ enough near saturation).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import NamedTuple
@@ -67,8 +68,9 @@ def calibrate(cluster: ClusterSpec, load: float, start: datetime, seed: int, *, 
               progress: Callable[[str], None] = lambda s: None) -> Calibration:
     """The arrival rate whose pilot keeps LOAD of the GPUs allocated, within TOLERANCE.
 
-    The first guess scales the cluster's own rate by LOAD over the share it gives; each next one
-    scales the last by target / measured. SHARE(rate) replaces the pilot (tests). Gives the
+    The first guess scales the cluster's own rate by LOAD over the share it gives; the next ones
+    interpolate the last two pilots (the share against the log of the rate).
+    SHARE(rate) replaces the pilot (tests). Gives the
     closest pilot when none lands within the tolerance (a load the users' patience caps)."""
     if not 0.0 < load < 1.0:
         raise ValueError(f"load {load:g} is not a share of the GPUs between 0 and 1")
@@ -81,6 +83,18 @@ def calibrate(cluster: ClusterSpec, load: float, start: datetime, seed: int, *, 
         progress(f"load {load:g}: pilot at {rate:,.0f} jobs/day keeps {got:.1%} of the GPUs allocated")
         if abs(got - load) <= tolerance:
             break
-        rate *= min(load / max(got, 1e-3), 4.0)
+        rate = _next_rate(tried, load)
     best_rate, best = min(tried, key=lambda t: abs(t[1] - load))
     return Calibration(load, best_rate, best, tuple(tried))
+
+
+def _next_rate(tried: Sequence[tuple[float, float]], load: float) -> float:
+    """Scale by target / measured after one pilot; after two, the secant through the last two in
+    log rate, bounded to a factor of 4 either way."""
+    rate, got = tried[-1]
+    step = load / max(got, 1e-3)
+    if len(tried) >= 2:
+        (r0, s0), (r1, s1) = tried[-2], tried[-1]
+        if abs(s1 - s0) > 1e-6 and r0 != r1:
+            step = math.exp((load - s1) * (math.log(r1) - math.log(r0)) / (s1 - s0))
+    return rate * min(max(step, 0.25), 4.0)
