@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install pyslurm demo test test-unit test-slurm-diff bench evaluate replay lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install pyslurm demo test test-unit test-slurm-diff bench evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 	-@sh contrib/pyslurm/install.sh $(PY)
@@ -45,6 +45,13 @@ bench: install cluster-up
 # Policies side by side on a generated ~50k-job workload, simulated (results and plots in scenario-report/).
 evaluate: install
 	$(VENV)/bin/slurmgpu scenario --report-dir scenario-report
+
+# The policies at several loads (shares of GPUs allocated; the arrival rate is calibrated to each).
+LOADS ?= 0.3,0.6,0.9
+DAYS  ?= 7
+SEED  ?= 4242
+evaluate-load: install
+	$(VENV)/bin/slurmgpu scenario --load $(LOADS) --days $(DAYS) --seed $(SEED) --report-dir scenario-report
 
 # A small generated workload submitted through gsbatch to the local cluster, then checked against the simulator.
 replay: install cluster-up

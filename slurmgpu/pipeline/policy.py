@@ -346,8 +346,10 @@ class ModelDecider:
                 and self.config.gpu_types[c.gpu_type].relative_speed >= asked_gt.relative_speed]
         else:
             enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
-        choices = [c for c in enough if c is not None and c.gpu_type in home
+        in_time = [c for c in enough if c is not None and c.gpu_type in home
                    and self._in_time(c, baseline, comp.time_limit_s)]
+        choices = [c for c in in_time if self._clear_gain(c, baseline)]
+        risky = min((c for c in in_time if c not in choices), key=lambda c: self._score(c, baseline), default=None)
         best = min(choices, key=lambda c: self._score(c, baseline), default=None)
         gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline) if best is not None else 0.0
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
@@ -366,6 +368,17 @@ class ModelDecider:
                          and c.fits and c.expected_wait_s + c.pred_runtime_s <= done), key=lambda c: c.gpus,
                         default=None)
             best = freed or best
+        if risky is not None and freed is None and \
+                1.0 - self._score(risky, baseline) / self._score(baseline, baseline) >= policy.min_gain and (
+                best is None or gain < policy.min_gain or (best.gpu_type, best.gpus) == (baseline.gpu_type,
+                                                                                          baseline.gpus)):
+            # The move the prediction's error vetoed is why the request stands: say so, not "best".
+            upper = risky.expected_wait_s + risky.pred_runtime_s * risky.runtime_margin
+            return self._keep(rule, f"model: {risky.gpus} x {risky.gpu_type}, slower than as asked, is predicted to "
+                              f"finish in {(risky.expected_wait_s + risky.pred_runtime_s) / 60:.0f} min but in "
+                              f"{upper / 60:.0f} min at its upper runtime, vs "
+                              f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked: "
+                              "a gain within the prediction's error", per_type, hint)
         if best is None:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit",
                               per_type, hint)
@@ -700,21 +713,41 @@ class ModelDecider:
             return self.wait(gpu_type, gpus)
         return 0.0 if free.get(gpu_type, 0) >= gpus else self.busy_wait_s
 
+    def _slower(self, c: Candidate, baseline: Candidate) -> bool:
+        """A move, of a job that fits as asked, to a shape predicted slower than the request or to a
+        card slower on the datasheet (a prediction of "no slower" there is the model's guess, and
+        a wrong one costs the job its time limit)."""
+        if not baseline.fits or (c.gpu_type, c.gpus) == (baseline.gpu_type, baseline.gpus):
+            return False
+        types = self.config.gpu_types
+        return c.pred_runtime_s > baseline.pred_runtime_s or \
+            types[c.gpu_type].relative_speed < types[baseline.gpu_type].relative_speed
+
     def _in_time(self, c: Candidate, baseline: Candidate, limit_s: int | None) -> bool:
         """A change must not push the job past its own time limit (it would be killed): the predicted
         runtime with the margin newer jobs overran their predictions by (the bundle's runtime
-        spread), at least ``scaling_factor``, and, for a move to a shape predicted slower than the
-        request that fits as asked, at least the job's own 95th-percentile margin
-        (``Candidate.runtime_margin``). A move predicted faster shares the job's own uncertainty with
-        the request. A job predicted not to fit as asked would fail for sure: its move keeps the
-        bundle's margin alone (measured: with the job's own margin there, such jobs lost their only
-        move and GPU OOMs rose from 251 to 273)."""
+        spread), at least ``scaling_factor``, and, for a move to a slower shape (``_slower``), at
+        least the job's own 95th-percentile margin (``Candidate.runtime_margin``): its upper
+        runtime. A move to a faster card shares the job's own uncertainty with the request. A job
+        predicted not to fit as asked would fail for sure: its move keeps the bundle's margin alone
+        (measured: with the job's own margin there, such jobs lost their only move and GPU OOMs
+        rose from 251 to 273)."""
         if limit_s is None or c == baseline:
             return True
-        slower = baseline.fits and c.pred_runtime_s > baseline.pred_runtime_s
         margin = max(self.config.policy.scaling_factor, math.exp(getattr(self.bundle, "runtime_spread", 0.0)),
-                     c.runtime_margin if slower else 1.0)
+                     c.runtime_margin if self._slower(c, baseline) else 1.0)
         return c.pred_runtime_s * margin <= limit_s
+
+    def _clear_gain(self, c: Candidate, baseline: Candidate) -> bool:
+        """A move to a slower shape is worth its risk only where it finishes sooner than the request
+        even at its upper runtime: a gain within the prediction's error keeps the request. A MIG
+        slice that runs as long as the card asked (``_on_slices``: by the family's measured
+        utilisation, not the model's guess) gains by its cost, which that error leaves alone."""
+        if not self._slower(c, baseline) or (self.config.gpu_types[c.gpu_type].is_slice
+                                             and c.pred_runtime_s <= baseline.pred_runtime_s):
+            return True
+        return c.expected_wait_s + c.pred_runtime_s * c.runtime_margin < \
+            baseline.expected_wait_s + baseline.pred_runtime_s
 
     def _mem_gib(self, gtype: str | None) -> float:
         t = self.config.gpu_types.get(gtype or "")

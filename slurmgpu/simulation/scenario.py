@@ -91,15 +91,21 @@ USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")  # as train.hi
 class Scenario(NamedTuple):
     name: str
     cluster: ClusterSpec
-    jobs: int  # about this many are generated, at the cluster's own rate over the days it takes
+    jobs: int  # about this many are generated, at the arrival rate over the days it takes
     seed: int = 1
     start: datetime = datetime(2026, 11, 2)
     train_share: float = 0.3
     iterations: int = 400  # CatBoost iterations per model
+    jobs_per_day: float | None = None  # the arrival rate (default: the cluster's); simulation/load.py calibrates it
+    load: float | None = None  # the share of GPUs the rate was calibrated to keep allocated, if it was
+
+    @property
+    def rate(self) -> float:
+        return self.jobs_per_day or self.cluster.jobs_per_day
 
     @property
     def days(self) -> float:
-        return self.jobs / self.cluster.jobs_per_day
+        return self.jobs / self.rate
 
 
 SCENARIOS = {
@@ -392,7 +398,7 @@ def evaluate(scenario: Scenario, progress: Callable[[str], None] = lambda s: Non
     """Generate the scenario's workload, place it by every policy and simulate each placement."""
     began = time.perf_counter()
     cluster = scenario.cluster
-    jobs = generate(cluster, scenario.start, scenario.days, scenario.seed)
+    jobs = generate(cluster, scenario.start, scenario.days, scenario.seed, scenario.rate)
     cut = int(len(jobs) * scenario.train_share)
     train, tested = jobs[:cut], jobs[cut:]
     progress(f"{len(jobs):,} jobs generated on {cluster.name}; training on {len(train):,}, "
