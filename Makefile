@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install pyslurm demo test test-unit test-slurm-diff bench evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install pyslurm test-deps site-install demo test test-unit test-slurm-diff bench evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 	-@sh contrib/pyslurm/install.sh $(PY)
@@ -20,11 +20,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[train,dev]'
 	touch $@
 
+# Debian packages the tests need beyond Slurm and the databases (python3-venv, Chromium).
+test-deps:
+	bash contrib/lib/test-deps.sh
+
+# For every user of a site, as root: a venv of the system Python under PREFIX with a wheel of this
+# checkout, commands linked into /usr/local/bin, /etc/slurmgpu, the nightly account and spools
+# (docs/admins/install.md; contrib/site/install.sh lists its other variables).
+PREFIX ?= /opt/slurmgpu
+site-install:
+	PREFIX=$(PREFIX) bash contrib/site/install.sh
+
 demo: install
 	$(VENV)/bin/slurmgpu demo
 
 # The whole suite: the real local Slurm, PostgreSQL and MariaDB are started first.
-test: install cluster-up db-up
+test: test-deps install cluster-up db-up
 	eval "$$($(DBS) env)" && $(PY) -m pytest -q
 
 # A few hundred generated GPU requests, each checked against the live Slurm (tests/test_slurm_diff.py).
