@@ -152,11 +152,7 @@ def test_a_user_reads_seff_of_their_job_through_the_daemon(site: Path, script: P
     ran = as_user(site, "gsbatch", "--wait", "--parsable", str(quick))  # seff needs a job sacct knows
     assert ran.returncode == 0, ran.stderr
     job = ran.stdout.strip().split(";")[0]
-    for _ in range(50):
-        known = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "JobID"], capture_output=True, text=True)
-        if known.stdout.strip():
-            break
-        time.sleep(0.2)
+    _until_accounted(job)
     rundir = site / "run"
     rundir.mkdir(mode=0o755)
     sock = rundir / "slurmgpu.sock"
@@ -175,9 +171,19 @@ def test_a_user_reads_seff_of_their_job_through_the_daemon(site: Path, script: P
         other = subprocess.run(["sbatch", "--hold", "--parsable", "--wrap", "true"], capture_output=True, text=True,
                                check=True).stdout.strip()
         submitted.append(other)
+        _until_accounted(other)  # else seff says accounting does not know it, true but not this test
         refused = as_user(site, "slurmgpu", "seff", other, SLURMGPU_SOCKET=str(sock))
         assert refused.returncode == 1 and "belongs to another user" in refused.stderr, refused
         assert "Traceback" not in refused.stderr
     finally:
         serve.terminate()
         serve.wait(timeout=10)
+
+
+def _until_accounted(job: str) -> None:
+    """Wait (10 s at most) until slurmdbd has the job: seff reads it from sacct."""
+    for _ in range(50):
+        known = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "JobID"], capture_output=True, text=True)
+        if known.stdout.strip():
+            return
+        time.sleep(0.2)
