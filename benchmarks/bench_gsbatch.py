@@ -3,7 +3,10 @@
 Runs a bare Python start (`python -c pass`, the same interpreter), sbatch and gsbatch in turn on
 the same scripts (held jobs, cancelled afterwards) and reports medians. The figure that matters is
 gsbatch's median added time over sbatch divided by the bare Python start: targets <= 3.0 when the
-request is kept, <= 4.5 when it is rewritten. Usage: make bench-gsbatch [RUNS=40]
+request is kept, <= 4.5 when it is rewritten. The same ratio of CPU time (user + system, the
+children's rusage) is reported too: on a loaded machine it is less noisy than wall time.
+Usage: make bench-gsbatch [RUNS=40]; ONLY=TEXT measures only the cases whose name holds TEXT
+("kept", "model, rewritten, daemon"); GSBATCH=PATH times that gsbatch instead of this tree's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import grp
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -47,10 +51,21 @@ def model_cases() -> dict[str, tuple[Path, str]]:
     return out
 
 
-def timed(argv: list[str], cwd: str, env: dict[str, str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
+GSBATCH = os.environ.get("GSBATCH") or str(BIN / "gsbatch")
+ONLY = os.environ.get("ONLY", "")
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system) of the children waited for so far."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def timed(argv: list[str], cwd: str, env: dict[str, str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds of one run, and its stdout."""
+    c0, t0 = _cpu(), time.perf_counter()
     res = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, check=True)
-    return time.perf_counter() - t0, res.stdout
+    return time.perf_counter() - t0, _cpu() - c0, res.stdout
 
 
 @contextlib.contextmanager
@@ -76,20 +91,25 @@ def daemon(config: Path, tmp: str) -> Iterator[str]:
 
 def measure(runs: int, script: Path, tmp: str, env: dict[str, str], ids: list[str]) -> dict[str, float]:
     """Bare Python start, sbatch and gsbatch in turn (rotated), after two warm-up rounds."""
-    times: dict[str, list[float]] = {"python": [], "sbatch": [], "gsbatch": []}
     order = ["python", "sbatch", "gsbatch"]
+    times: dict[str, list[float]] = {t: [] for t in order}
+    cpu: dict[str, list[float]] = {t: [] for t in order}
+    command = {"python": [sys.executable, "-c", "pass"], "sbatch": ["sbatch"], "gsbatch": [GSBATCH]}
     for i in range(runs + 2):
         for tool in order[i % 3:] + order[:i % 3]:  # rotate so no tool always runs first
-            argv = [sys.executable, "-c", "pass"] if tool == "python" else [tool, "--hold", "--parsable", str(script)]
-            dt, out = timed(argv, tmp, env)
+            argv = command[tool] + ([] if tool == "python" else ["--hold", "--parsable", str(script)])
+            dt, dc, out = timed(argv, tmp, env)
             if tool != "python":
                 ids.append(out.strip())
             if i >= 2:
                 times[tool].append(dt)
+                cpu[tool].append(dc)
     py, sb, gs = (statistics.median(times[t]) for t in order)
+    cpy, csb, cgs = (statistics.median(cpu[t]) for t in order)
     return {"runs": runs, "python_median_ms": py * 1e3, "sbatch_median_ms": sb * 1e3, "gsbatch_median_ms": gs * 1e3,
             "added_median_ms": (gs - sb) * 1e3, "added_over_python": (gs - sb) / py,
-            "gsbatch_p90_ms": statistics.quantiles(times["gsbatch"], n=10)[-1] * 1e3}
+            "gsbatch_p90_ms": statistics.quantiles(times["gsbatch"], n=10)[-1] * 1e3,
+            "python_cpu_ms": cpy * 1e3, "added_cpu_ms": (cgs - csb) * 1e3, "added_cpu_over_python": (cgs - csb) / cpy}
 
 
 def main(runs: int) -> dict[str, dict[str, float]]:
@@ -109,11 +129,13 @@ def main(runs: int) -> dict[str, dict[str, float]]:
                 script = Path(tmp) / f"case{n}.sh"
                 script.write_text(text)
                 env["SLURMGPU_SOCKET"] = os.path.join(tmp, "no-daemon.sock")
-                results[f"{case}, in-process"] = measure(runs, script, tmp, env, ids)
-                with daemon(config, tmp) as sock:
-                    env["SLURMGPU_SOCKET"] = sock
-                    results[f"{case}, daemon"] = measure(runs, script, tmp, env, ids)
-                shutil.rmtree(os.path.join(tmp, "run"))
+                if ONLY in f"{case}, in-process":
+                    results[f"{case}, in-process"] = measure(runs, script, tmp, env, ids)
+                if ONLY in f"{case}, daemon":
+                    with daemon(config, tmp) as sock:
+                        env["SLURMGPU_SOCKET"] = sock
+                        results[f"{case}, daemon"] = measure(runs, script, tmp, env, ids)
+                    shutil.rmtree(os.path.join(tmp, "run"))
         finally:
             for chunk in range(0, len(ids), 200):
                 subprocess.run(["scancel", *[i for i in ids[chunk:chunk + 200] if re.fullmatch(r"\d+", i)]],
@@ -127,9 +149,11 @@ if __name__ == "__main__":
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "gsbatch.json").write_text(json.dumps(res, indent=2))
-    print("| case | bare Python | sbatch | gsbatch | added (median) | added / bare Python | gsbatch p90 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | bare Python | sbatch | gsbatch | added (median) | added / bare Python | gsbatch p90 "
+          "| added CPU / bare Python CPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for case, r in res.items():
         print(f"| {case} | {r['python_median_ms']:.1f} ms | {r['sbatch_median_ms']:.1f} ms | "
               f"{r['gsbatch_median_ms']:.1f} ms | {r['added_median_ms']:.1f} ms | {r['added_over_python']:.2f}x | "
-              f"{r['gsbatch_p90_ms']:.1f} ms |")
+              f"{r['gsbatch_p90_ms']:.1f} ms | {r['added_cpu_ms']:.1f} / {r['python_cpu_ms']:.1f} ms = "
+              f"{r['added_cpu_over_python']:.2f}x |")
