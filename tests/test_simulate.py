@@ -197,7 +197,8 @@ def test_compare_orders() -> None:
 
 def test_cluster_from_config(sample_config: Path) -> None:
     cfg = load_config(sample_config)
-    assert SimCluster.from_config(cfg).groups == (("a100", 1, 4), ("v100", 1, 4), ("t4", 1, 4))
+    assert SimCluster.from_config(cfg).groups == (("a100", 1, 4), ("v100", 1, 4), ("t4", 1, 4),
+                                                  ("a100_1g.10gb", 1, 4), ("a100_3g.40gb", 1, 4))
     raw = {"gpu_types": {"a": {"memory_gib": 80}, "b": {"memory_gib": 16}},
            "partitions": {"p": {"gpu_types": ["a", "b"], "gpus_per_node": 8, "nodes": 3},
                           "q": {"gpu_types": ["a"], "gpus_per_node": 4, "nodes": 2}}}

@@ -125,13 +125,14 @@ def _value(info: Mapping[str, str], key: str) -> str | None:
 
 
 def next_card(config: Config, gpu_type: str, fits: Fits | None = None) -> GpuType | None:
-    """The smallest configured type with more memory than ``gpu_type`` (the faster on a tie) that
+    """The smallest configured whole card (no MIG slice) with more memory than ``gpu_type`` (the faster on a tie) that
     ``fits`` accepts (the model's prediction, when there is one)."""
     ran_on = config.gpu_types.get(gpu_type)
     if ran_on is None:
         return None
     larger = sorted((t for t in config.gpu_types.values() if t.memory_gib > ran_on.memory_gib
-                     and config.partitions_with(t.name)), key=lambda t: (t.memory_gib, -t.relative_speed))
+                     and config.partitions_with(t.name) and not t.is_slice),  # a slice: a fraction of the speed
+                    key=lambda t: (t.memory_gib, -t.relative_speed))
     return next((t for t in larger if fits is None or fits(t)), None)
 
 

@@ -118,7 +118,7 @@ def smaller_card(job: JobUse, config: Config | None) -> str | None:
     need = job.peak_mib * (1 + config.policy.memory_margin)
     fitting = [t for t in config.gpu_types.values()
                if t.memory_gib > 0 and need <= t.memory_gib * 1024.0 <= SMALLER_CARD * card
-               and config.partitions_with(t.name)]
+               and config.partitions_with(t.name) and not t.is_slice]  # a slice needs utilisation evidence
     if not fitting:
         return None
     return min(fitting, key=lambda t: (t.memory_gib, t.cost, t.name)).name
@@ -128,7 +128,8 @@ def _bigger_card(job: JobUse, config: Config | None) -> str | None:
     card = _card_mib(config, job.gpu_type)
     if config is None or card is None:
         return None
-    bigger = [t for t in config.gpu_types.values() if t.memory_gib * 1024.0 > card and config.partitions_with(t.name)]
+    bigger = [t for t in config.gpu_types.values()
+              if t.memory_gib * 1024.0 > card and config.partitions_with(t.name) and not t.is_slice]
     return min(bigger, key=lambda t: (t.memory_gib, t.cost, t.name)).name if bigger else None
 
 
