@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 import re
 import subprocess
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 from test_models import history
+from test_modes import scontrol_job
 
 from slurmgpu.apps.config_init import config_text
 from slurmgpu.learning import train
@@ -232,19 +232,6 @@ def _slurm_up() -> bool:
 
 
 @pytest.fixture
-def held() -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], check=False, capture_output=True)
-
-
-def show_job(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
-
-
-@pytest.fixture
 def live_site(tmp_path: Path, light) -> dict[str, str]:
     """gsbatch's environment: the sample config with the model decider and moves between partitions."""
     if not _slurm_up():
@@ -267,19 +254,19 @@ def gsbatch(tmp_path: Path, env: dict[str, str], text: str) -> subprocess.Comple
 
 
 @pytest.mark.slurm
-def test_live_a_light_job_is_submitted_to_a_slice(tmp_path: Path, live_site, held: list[str]) -> None:
+def test_live_a_light_job_is_submitted_to_a_slice(tmp_path: Path, live_site, submitted: list[str]) -> None:
     res = gsbatch(tmp_path, live_site, light_script())
     assert res.returncode == 0, res.stderr
-    held.append(res.stdout.strip().split(";")[0])
-    info = show_job(held[-1])
+    submitted.append(res.stdout.strip().split(";")[0])
+    info = scontrol_job(submitted[-1])
     assert re.fullmatch(rf"(?:gres[:/])?gpu:{re.escape(SLICE)}:1", info.get("TresPerNode", "")), info
     assert info["Partition"] == "mig" and SLICE in res.stderr, res.stderr
 
 
 @pytest.mark.slurm
-def test_live_a_two_gpu_job_stays_on_whole_cards(tmp_path: Path, live_site, held: list[str]) -> None:
+def test_live_a_two_gpu_job_stays_on_whole_cards(tmp_path: Path, live_site, submitted: list[str]) -> None:
     res = gsbatch(tmp_path, live_site, light_script("gpu:a100:2"))
     assert res.returncode == 0, res.stderr
-    held.append(res.stdout.strip().split(";")[0])
-    info = show_job(held[-1])
+    submitted.append(res.stdout.strip().split(";")[0])
+    info = scontrol_job(submitted[-1])
     assert info["Partition"] != "mig" and "g." not in info.get("TresPerNode", ""), info
