@@ -65,7 +65,7 @@ def sh_blocks(page: Path) -> list[Block]:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence.group(1)), None)
         assert end is not None, f"{page.relative_to(ROOT)}:{i + 1}: fence never closed"
         if fence.group(2) == "sh":
-            marker = SKIP.search(lines[i - 1]) if i > 0 else None
+            marker = SKIP.fullmatch(lines[i - 1].strip()) if i > 0 else None
             blocks.append(Block(str(page.relative_to(ROOT)), i + 1, "\n".join(lines[i + 1:end]) + "\n",
                                 marker.group("why") if marker else None))
         i = end + 1
@@ -83,8 +83,9 @@ def test_only_long_make_targets_and_listed_host_setups_are_skipped() -> None:
         assert long_make or (b.page, b.commands[0]) in HOST_SETUP, \
             f"{b.page}:{b.line}: only long make targets or a listed host set-up may skip ({b.commands[0]!r})"
     assert len(skipped) <= MAX_SKIPPED, [f"{b.page}:{b.line}" for b in skipped]
-    # a marker must stand right before a sh fence, never float elsewhere
-    markers = [(p, n) for p in PAGES for n, ln in enumerate(p.read_text().splitlines(), 1) if SKIP.search(ln)]
+    # a marker line must stand right before a sh fence, never float elsewhere
+    markers = [(p, n) for p in PAGES for n, ln in enumerate(p.read_text().splitlines(), 1)
+               if SKIP.fullmatch(ln.strip())]
     assert len(markers) == len(skipped), markers
 
 
