@@ -476,7 +476,6 @@ class ModelDecider:
         seen = self._seen(sf["family"], req_type, req_total)
         asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
                            if (gt.name, c) == (req_type, req_total)), None)
-        ran_asked = RATE + rate_keys(req_total, req_type or "", sf["log_tokens"])[1] in fam
         exponent: float | None = None  # the family's speed slope at the asked count, once it is needed
         table = []
         for (gt, c), pred in zip(shapes, preds, strict=True):
@@ -488,12 +487,16 @@ class ModelDecider:
                 runtime = asked_pred.runtime_s * math.exp(ratio)
             elif known:
                 runtime = pred.runtime_s
-            elif asked_pred is not None and ran_asked and c == req_total and req_type and \
+            elif asked_pred is not None and c == req_total and req_type and \
                     gt.relative_speed >= self.config.gpu_types[req_type].relative_speed:
-                # A faster type the family never ran on: the datasheet's speed ratio, felt as strongly
-                # as the family felt it between the types it did run on (a job bound by its input
-                # pipeline gains little from a faster card, whatever the datasheet says). A slower one
-                # keeps the full ratio below: a time limit is at stake (measured: fewer timeouts).
+                # A faster type the family never ran on: the datasheet's speed ratio over the runtime
+                # as asked, felt as strongly as the family (else its architecture, else the site) felt
+                # it between the types it did run on (a job bound by its input pipeline gains little
+                # from a faster card, whatever the datasheet says). A new family, or one never on the
+                # asked shape, gets that hardware prior too: the model alone ranked a new family's
+                # H100 no faster than its A100 and kept 258 of 1,690 jobs on the slower card
+                # (scenario, load 0.3: mean JCT 2.06 -> 1.68 h with the prior). A slower one keeps
+                # the full ratio below: a time limit is at stake (measured: fewer timeouts).
                 if exponent is None:
                     exponent = self._speed_exponent(sf, req_total)
                 speeds = self.config.gpu_types
