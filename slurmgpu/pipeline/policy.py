@@ -145,7 +145,8 @@ class RuleDecider:
             change, why, refusal = self._component(comp, request.is_hetjob)
             if refusal:
                 return Decision(reasons=tuple(reasons), refusal=refusal, decider=self.name)
-            if (change is None or change.partition is None) and (live := self.unstartable(comp)):
+            kept = change is None and bool(why) and why[-1].endswith("request kept")  # and said why already
+            if not kept and (change is None or change.partition is None) and (live := self.unstartable(comp)):
                 label = f"component {comp.index}: " if request.is_hetjob else ""
                 change, why = None, [f"{label}kept as asked: {live}"]
             reasons.extend(why)
