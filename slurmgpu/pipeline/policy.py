@@ -822,23 +822,28 @@ class ModelDecider:
 
 def _ratio(value: float, base: float) -> float:
     """VALUE relative to BASE (the request's own, which is 1): nothing over nothing is as good, and
-    something over nothing unboundedly worse (a request predicted to take no time is not beaten)."""
+    something over nothing unboundedly worse (a request predicted to take no time is not beaten); a
+    product too large for a float (a cost in the hundreds of digits) is as large as another."""
+    if math.isinf(base):
+        return 1.0 if math.isinf(value) else 0.0
     if base > 0:
         return value / base
     return 1.0 if value <= 0 else math.inf
 
 
-# Past this a figure of seconds or MiB is no figure (30,000 years): products of them stay finite.
+# Past this a figure of seconds is no figure (30,000 years): sums and products of them stay finite.
 FIGURE_BOUND = 1e12
 
 
-def _usable(value: float) -> bool:
-    return 0 <= value <= FIGURE_BOUND  # False for nan too
+def _usable(value: float, bound: float = FIGURE_BOUND) -> bool:
+    return math.isfinite(value) and 0 <= value <= bound
 
 
 def _finite(c: Candidate) -> bool:
-    """Whether a row has every figure a comparison and its reason use: wait, runtime and its margin, peak."""
-    return all(_usable(v) for v in (c.expected_wait_s, c.pred_runtime_s, c.runtime_margin, c.pred_peak_mem_mib))
+    """Whether a row has every figure a comparison and its reason use: wait, runtime and its margin, and
+    a finite peak (one past any card only fails the fit test)."""
+    return all(_usable(v) for v in (c.expected_wait_s, c.pred_runtime_s, c.runtime_margin)) \
+        and _usable(c.pred_peak_mem_mib, math.inf)
 
 
 def _unbounded(c: Candidate) -> str:
@@ -847,7 +852,7 @@ def _unbounded(c: Candidate) -> str:
     if not _usable(c.expected_wait_s):
         return (f"the queue view sees no time {shape} starts (no node holds that many, or jobs without a time "
                 "limit hold them)")
-    if not _usable(c.pred_peak_mem_mib):
+    if not _usable(c.pred_peak_mem_mib, math.inf):
         return f"no usable peak memory predicted for {shape} as asked"
     return f"no usable runtime predicted for {shape} as asked"
 
@@ -1048,7 +1053,7 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
     if not comp.gpus:
         why += f"; the job asked for no GPU: {count} x {choice} added"
     predicted = decider.predicted_peak_mib(request, choice, count) if isinstance(decider, ModelDecider) else None
-    if predicted is not None and _usable(predicted):
+    if predicted is not None and _usable(predicted, math.inf):
         why += f"; asked for >= {ask.shown} GiB per GPU; predicted peak {predicted / 1024:.1f} GiB"
     if choice == current and target is None:
         return Decision(reasons=(why,), decider=name)
