@@ -152,6 +152,10 @@ def test_a_type_no_node_holds_is_no_candidate(bundle: Any) -> None:
         request(text.replace("gpu:v100:1", "gpu:v100:8"), config=config))
     assert not eight.changed and eight.decider == "model"
     assert eight.reasons == ("kept as asked: no node in partition gpu has 8 x v100 (most: 4)",)
+    # unstartable where asked, but the rules move it where a node holds it: the model decides there
+    moved = ModelDecider(config, bundle, lambda: free, "ann", capacity=LOCAL).decide(
+        request(text.replace("gpu:v100:1", "gpu:a100:1"), "-p", "gpu-small", config=config))
+    assert moved.changes[0].partition == "gpu" and moved.per_type, moved.reasons
 
 
 def test_an_ask_the_queue_sees_no_start_for_is_kept_without_inf(bundle: Any) -> None:

@@ -305,7 +305,7 @@ class ModelDecider:
         if rule.refusal:
             return rule
         comp = request.main
-        if not request.is_hetjob and self.rules.unstartable(comp):  # the rules kept it as asked, saying why
+        if not request.is_hetjob and not rule.changes and self.rules.unstartable(comp):  # kept as asked, saying why
             return rule._replace(decider=self.name)
         if request.is_hetjob or not comp.gpus_total or request.script is None:
             return self._keep(rule, "model: heterogeneous, GPU-less or script-less job")
