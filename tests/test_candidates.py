@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from slurmgpu.pipeline.bundle import Prediction
 from slurmgpu.pipeline.capacity import Capacity, Need, NodeGpus, need_of, node_up
 from slurmgpu.pipeline.config import Config, GpuType, Partition, load_config
-from slurmgpu.pipeline.policy import Decision, ModelDecider, RuleDecider
+from slurmgpu.pipeline.policy import Decision, GpuMemAsk, ModelDecider, RuleDecider, decide_gpu_mem
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
 
@@ -118,6 +118,20 @@ def test_the_rules_keep_an_ask_no_node_can_start_and_say_why() -> None:
     assert not stays.changed and stays.reasons == (
         "GPU type t4 is not in partition gpu, and no partition offering it admits the job and can start it (the "
         "nodes in partition gpu-small with 1 x t4 are down, drained or not responding); request kept",)
+
+
+def test_gpu_mem_picks_a_type_the_nodes_hold() -> None:
+    """--gpu-mem 60 GiB: the config's k80 (80 GiB, cheapest work) wins on paper; no node has one."""
+    config = with_k80(load_config(SAMPLE))
+    ask = GpuMemAsk(60.0, "60G", "command line")
+    one = request(job("gpu:v100:1"), config=config)
+    assert decide_gpu_mem(RuleDecider(config), one, ask).changes[0].gpu_type == "k80"
+    seen = decide_gpu_mem(RuleDecider(config, capacity=LOCAL), one, ask)
+    assert seen.changes[0].gpu_type == "a100" and seen.changes[0].partition is None, seen.reasons
+    none = Capacity([n._replace(gpus={"v100": 4}) if "gpu" in n.partitions else n for n in LOCAL.nodes])
+    refused = decide_gpu_mem(RuleDecider(config, capacity=none), one, ask)
+    assert refused.refusal == ("command line: --gpu-mem 60 GiB: partition gpu has no GPU type with that much "
+                               "memory its nodes can start for this request, nor does any other configured partition")
 
 
 @pytest.fixture(scope="module")

@@ -1009,9 +1009,18 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
     def room(p: Partition) -> bool:
         return (per_node or 0) <= p.gpus_per_node and count <= p.gpus_per_node * p.nodes
 
+    rules = getattr(decider, "rules", decider)
+    cannot = rules.cannot_start if isinstance(rules, RuleDecider) else None
+
+    def startable(p: Partition) -> list[str]:
+        """The pool's types P offers that its live nodes (where the decider knows them) can start."""
+        return [t for t in p.gpu_types if t in pool and (cannot is None or cannot(p.name, t, comp, count) is None)]
+
     asked = comp.partitions or ([config.default_partition] if config.default_partition else [])
     known = [config.partitions[p] for p in asked if p in config.partitions]
-    own = list(dict.fromkeys(t for p in known if room(p) for t in p.gpu_types if t in pool))
+    own = list(dict.fromkeys(t for p in known if room(p) for t in startable(p)))
+    # the config's types that hold the ask but no live node of the partition can start
+    idle = "" if own or not any(t in pool for p in known if room(p) for t in p.gpu_types) else " its nodes can start"
     target: Partition | None = None
     moved = ""
     if not own and not known and live is not None:  # a partition the config does not describe: Slurm's nodes
@@ -1023,21 +1032,20 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
     if own:
         choice = _by_objective(own, types, config.policy.objective)
     else:
-        others = [p for p in config.partitions.values() if p not in known and room(p)
-                  and any(t in pool for t in p.gpu_types)]
+        others = [p for p in config.partitions.values() if p not in known and room(p) and startable(p)]
         refused = {p.name: admits(p.name, comp) for p in others} if admits else {}
         open_to_job = [p for p in others if refused.get(p.name) is None]
         where = ",".join(asked) or "(default)"
         if not open_to_job:
             why = "; ".join(f"{n}: {r}" for n, r in refused.items() if r)
-            return refuse(f"partition {where} has no GPU type with that much memory"
+            return refuse(f"partition {where} has no GPU type with that much memory{idle}"
                           + (f" and no partition that has one admits the job ({why})" if why else
                              " for this request, nor does any other configured partition"))
-        choice = _by_objective(list(dict.fromkeys(t for p in open_to_job for t in p.gpu_types if t in pool)),
-                               types, config.policy.objective)
-        target = next(p for p in open_to_job if choice in p.gpu_types)
+        choice = _by_objective(list(dict.fromkeys(t for p in open_to_job for t in startable(p))), types,
+                               config.policy.objective)
+        target = next(p for p in open_to_job if choice in startable(p))
         moved = (f"; partition {where} is not in the slurmgpu config" if not known else
-                 f"; partition {where} has none that large") + f", moved to {target.name}, which has {choice}"
+                 f"; partition {where} has none that large{idle}") + f", moved to {target.name}, which has {choice}"
     small = list(dict.fromkeys(t for p in known for t in p.gpu_types if types[t].memory_gib < ask.gib))
     if current and current in small and current not in pool:
         small = [current, *(t for t in small if t != current)]
