@@ -350,8 +350,8 @@ class ModelDecider:
         table = self.candidates(sf, req, shapes, min(fewest, req_total), free, busy[0] if busy else None)
         if slices:
             table = self._on_slices(table, slices, req_type)
-        # A row without a finite wait, runtime or peak has no finish time to compare: never a move
-        # (an infinite wait is no node that large), and the request as asked such a row is kept.
+        # A row without a finite wait, runtime or peak has no finish time to compare: never a move (an
+        # infinite wait: no node that large, or no end in sight), and a request whose own row it is stays.
         unbounded = [c for c in table if not _finite(c)]
         table = [c for c in table if _finite(c)]
         per_type = tuple(table)
