@@ -67,6 +67,12 @@ class Capacity:
 
     def __init__(self, nodes: Iterable[NodeGpus]) -> None:
         self.nodes = list(nodes)
+        self._in: dict[str, list[NodeGpus]] = {}  # by partition: a decision asks many shapes of a few
+        # answers given: the daemon asks the same shapes of one node view for every job until it is read again
+        self._said: dict[tuple[str, str | None, Need], str | None] = {}
+        for node in self.nodes:
+            for part in node.partitions:
+                self._in.setdefault(part, []).append(node)
 
     @classmethod
     def from_nodes(cls, nodes: Iterable[Any]) -> Capacity:
@@ -86,15 +92,17 @@ class Capacity:
             out.append(NodeGpus(tuple(str(p) for p in parts), {str(t): int(n) for t, n in gpus.items()}, up))
         return cls(out)
 
-    def knows(self, partition: str) -> bool:
-        """Whether any node is in PARTITION (else the node view says nothing of it)."""
-        return any(partition in n.partitions for n in self.nodes)
-
     def why_not(self, partition: str, gpu_type: str | None, need: Need) -> str | None:
         """Why no node set of PARTITION can start NEED GPUs of GPU_TYPE (any type when None: Slurm
         mixes a node's types), or None when one can. A partition without nodes here is left to Slurm."""
+        key = (partition, gpu_type, need)
+        if key not in self._said:
+            self._said[key] = self._why_not(partition, gpu_type, need)
+        return self._said[key]
+
+    def _why_not(self, partition: str, gpu_type: str | None, need: Need) -> str | None:
         held = [(n.gpus.get(gpu_type, 0) if gpu_type else sum(n.gpus.values()), n.up)
-                for n in self.nodes if partition in n.partitions]
+                for n in self._in.get(partition, ())]
         if not held:
             return None
         if not any(h for h, _ in held):
