@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from slurmgpu.pipeline.capacity import Capacity
+
 
 class GpuLedger:
     """Per GPU type, per node, the times (s, any common origin) its GPUs become free."""
@@ -21,6 +23,8 @@ class GpuLedger:
     def __init__(self, nodes: Mapping[str, Iterable[int]]) -> None:
         """``nodes``: GPU type -> GPUs per node of each node holding that type."""
         self.free = {t: [[0.0] * n for n in per_node] for t, per_node in nodes.items()}
+        # What the nodes can start at all, by partition and node state (None: not read with the queue).
+        self.capacity: Capacity | None = None
 
     @classmethod
     def from_queue(cls, nodes: Sequence[Any], jobs: Sequence[Any]) -> GpuLedger:
@@ -28,8 +32,10 @@ class GpuLedger:
         partitions, gpus per type), ``jobs`` as its queue gives them (slurm.backend.QueuedJob,
         highest priority first). A running job holds its GPUs on its nodes for its time left; each
         pending job then takes the earliest GPUs of its type (an untyped one: of whichever type of
-        its partition frees first) for its time limit. Times are seconds from now."""
+        its partition frees first) for its time limit. Times are seconds from now. The same nodes
+        give the ledger's ``capacity``."""
         ledger = cls({})
+        ledger.capacity = Capacity.from_nodes(nodes)
         where: dict[tuple[str, str], list[float]] = {}
         types_of: dict[str, set[str]] = {}
         for node in nodes:

@@ -129,11 +129,13 @@ def _gres_text(gres: Mapping[str, int] | None) -> str:
 
 
 def _sinfo_state(state: str) -> str:
-    """pyslurm's ``IDLE+DRAIN`` as sinfo's %T prints it (``drained``)."""
+    """pyslurm's ``IDLE+DRAIN`` as sinfo's %T prints it (``drained``; ``idle*`` for a node that does
+    not respond)."""
     base, _, flags = state.lower().partition("+")
+    lost = "*" if "not_responding" in flags else ""
     if "drain" in flags:
-        return "drained" if base == "idle" else "draining"
-    return base
+        return ("drained" if base == "idle" else "draining") + lost
+    return base + lost
 
 
 def _allowed(names: list[str] | None) -> frozenset[str] | None:
