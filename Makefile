@@ -25,8 +25,9 @@ test-deps:
 	bash contrib/lib/test-deps.sh
 
 # For every user of a site, as root: a venv of the system Python under PREFIX with a wheel of this
-# checkout, commands linked into /usr/local/bin, /etc/slurmgpu, the nightly account and spools
-# (docs/admins/install.md; contrib/site/install.sh lists its other variables).
+# checkout and pyslurm matched to the running Slurm (PYSLURM=no skips it), commands linked into
+# /usr/local/bin, /etc/slurmgpu, the nightly account and spools (docs/admins/install.md;
+# contrib/site/install.sh lists its other variables).
 PREFIX ?= /opt/slurmgpu
 site-install:
 	PREFIX=$(PREFIX) bash contrib/site/install.sh

@@ -1,10 +1,12 @@
 """The site install (contrib/site/install.sh, `make site-install`) as an admin runs it, then every
 command an ordinary user runs, run as ``sguser`` against the live Slurm: a root-only venv (the old
 README's install) gave users ``bad interpreter: Permission denied``. Installs into a temporary
-prefix (never /usr/local/bin or /etc): a few minutes, the wheel's dependencies included."""
+prefix (never /usr/local/bin or /etc): a few minutes, the wheel's dependencies included. The install
+puts pyslurm matched to the live Slurm into the venv, and the user's commands then select it."""
 
 from __future__ import annotations
 
+import glob
 import grp
 import os
 import pwd
@@ -29,6 +31,20 @@ SCRIPT = """#!/bin/bash
 #SBATCH --gres=gpu:a100:1 -p gpu-small -t 5
 python train.py --model resnet50 --batch-size 64
 """
+
+
+def unmatched_pyslurm() -> str | None:
+    """Why the install cannot give this Slurm a pyslurm (contrib/pyslurm/install.sh's order: a
+    vendored wheel for this Slurm and the site's Python, else the tag's source), or None."""
+    slurm = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
+    major, minor = slurm.split(".")[:2]
+    tag = f"{major}.{int(minor)}"
+    vendor = os.environ.get("PYSLURM_VENDOR", str(ROOT.parent / "shared" / "vendor" / "pyslurm"))
+    python = subprocess.run(["/usr/bin/python3", "-c", 'import sys; print("cp%d%d" % sys.version_info[:2])'],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    if glob.glob(f"{vendor}/pyslurm-{tag}.*-{python}-{python}-*.whl") or glob.glob(f"{vendor}/pyslurm-{tag}.*.tar.gz"):
+        return None
+    return f"no vendored pyslurm {tag}.x (wheel for {python} or source) in {vendor} for Slurm {slurm}"
 
 
 def install(site: Path, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -74,9 +90,10 @@ def mode(path: Path) -> tuple[str, str, int]:
 
 def test_install_is_idempotent_and_sets_the_modes_the_code_expects(site: Path) -> None:
     (site / "etc" / "slurmgpu.toml").write_text((site / "etc" / "slurmgpu.toml").read_text() + "# edited\n")
-    again = install(site, EXTRAS="")
+    again = install(site, EXTRAS="", PYSLURM="no")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "kept the existing" in again.stdout
+    assert "pyslurm skipped (PYSLURM=no)" in again.stdout and "\npyslurm: " not in again.stdout, again.stdout
     assert (site / "etc" / "slurmgpu.toml").read_text().endswith("# edited\n")
     assert mode(site / "spool" / "submissions") == ("slurmgpu", "slurmgpu", 0o3733)
     assert mode(site / "spool" / "gpu") == ("root", "slurmgpu", 0o2770)
@@ -88,6 +105,31 @@ def test_install_is_idempotent_and_sets_the_modes_the_code_expects(site: Path) -
     installed = subprocess.run([python, "-c", "import slurmgpu; print(slurmgpu.__file__)"],
                                capture_output=True, text=True, check=True, cwd="/tmp").stdout
     assert installed.startswith(str(site / "opt")), installed  # a wheel, not an editable link to the checkout
+
+
+def test_a_bad_pyslurm_setting_is_one_line_before_any_change(site: Path) -> None:
+    bad = install(site, PYSLURM="maybe", EXTRAS="")
+    assert bad.returncode == 1 and bad.stdout == "", bad
+    assert bad.stderr == "site-install: error: PYSLURM must be yes or no, not 'maybe'\n", bad.stderr
+
+
+def test_the_users_commands_select_the_pyslurm_the_install_matched_to_slurm(site: Path) -> None:
+    """What gsbatch's, serve's and doctor's ``select_backend()`` picks as the user, in the site's
+    interpreter; the nodes it reads must be sinfo's."""
+    missing = unmatched_pyslurm()
+    if missing:
+        pytest.skip(missing)
+    probe = ("import pyslurm\nfrom slurmgpu.slurm.backend import select_backend\nb = select_backend()\n"
+             "print(b.name, pyslurm.__version__, ','.join(sorted(n.name for n in b.nodes())))")
+    chosen = as_user(site, str(site / "opt" / "bin" / "python"), "-c", probe)
+    assert chosen.returncode == 0, chosen.stderr
+    name, version, nodes = chosen.stdout.split()
+    slurm = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert name == "pyslurm" and version.split(".")[:2] == [slurm.split(".")[0], str(int(slurm.split(".")[1]))]
+    live = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout
+    assert nodes.split(",") == sorted(set(live.split())), (nodes, live)
+    forced = as_user(site, str(site / "opt" / "bin" / "python"), "-c", probe, SLURMGPU_BACKEND="cli")
+    assert forced.returncode == 0 and forced.stdout.split()[0] == "cli", forced
 
 
 @pytest.fixture(scope="module")

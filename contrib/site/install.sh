@@ -14,6 +14,10 @@
 #   EXTRAS=train              pip extras: "train" for the host that ingests and trains (SQLAlchemy,
 #                             CatBoost, ...); "" for a submit-only login node; "train,postgres" etc.
 #   PYTHON=/usr/bin/python3   the interpreter the venv is made from (3.11 or newer)
+#   PYSLURM=yes               pyslurm matched to the running Slurm into the venv, by
+#                             contrib/pyslurm/install.sh (PYSLURM_VENDOR: where the vendored wheels
+#                             and tags are); without a match it says why in one line and the
+#                             commands use the Slurm command-line tools. "no" skips it.
 set -euo pipefail
 umask 022
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -27,12 +31,14 @@ LOGDIR=${LOGDIR:-/var/log/slurmgpu}
 ACCOUNT=${ACCOUNT:-slurmgpu}
 EXTRAS=${EXTRAS-train}
 PYTHON=${PYTHON:-/usr/bin/python3}
+PYSLURM=${PYSLURM:-yes}
 
 say() { printf 'site-install: %s\n' "$*"; }
 die() { printf 'site-install: error: %s\n' "$*" >&2; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || die "run as root (it creates $PREFIX, $BINDIR links, the $ACCOUNT account and spools)"
 case $PREFIX in /*) ;; *) die "PREFIX must be an absolute path, not '$PREFIX'" ;; esac
+case $PYSLURM in yes|no) ;; *) die "PYSLURM must be yes or no, not '$PYSLURM'" ;; esac
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
     || die "$PYTHON is missing or older than 3.11"
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || die "$PYTHON has no venv module: apt-get install python3-venv"
@@ -50,6 +56,13 @@ say "building a wheel of $SRC"
 wheel=$(ls "$wheeldir"/slurmgpu-*.whl)
 "$PREFIX/bin/pip" install -q --force-reinstall --no-deps "$wheel"
 "$PREFIX/bin/pip" install -q "$wheel${EXTRAS:+[$EXTRAS]}"
+# pyslurm never fails the install: without a match the Slurm command-line tools are used.
+if [ "$PYSLURM" = no ]; then
+    say "pyslurm skipped (PYSLURM=no): the commands use the Slurm command-line tools"
+else
+    sh "$SRC/contrib/pyslurm/install.sh" "$PREFIX/bin/python" \
+        || say "pyslurm not installed: the commands use the Slurm command-line tools"
+fi
 chmod -R u+rwX,go+rX,go-w "$PREFIX"
 
 # 3. Commands on every user's PATH.
