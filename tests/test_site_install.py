@@ -229,3 +229,21 @@ def _until_accounted(job: str) -> None:
         if known.stdout.strip():
             return
         time.sleep(0.2)
+
+
+def test_without_a_matching_pyslurm_the_install_goes_on_and_the_commands_use_the_cli(site: Path, model: Path,
+                                                                                      script: Path) -> None:
+    """A site whose Slurm has no vendored pyslurm: one line says why, and nothing fails."""
+    subprocess.run([str(site / "opt" / "bin" / "pip"), "uninstall", "-q", "-y", "pyslurm"], capture_output=True,
+                   check=True)
+    empty = site / "no-vendor"
+    empty.mkdir()
+    again = install(site, EXTRAS="", PYSLURM_VENDOR=str(empty))
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [ln for ln in again.stdout.splitlines() if ln.startswith("pyslurm:")]
+    assert len(said) == 1 and "no wheel or source" in said[0] and str(empty) in said[0], again.stdout
+    probe = "from slurmgpu.slurm.backend import select_backend; print(select_backend().name)"
+    chosen = as_user(site, str(site / "opt" / "bin" / "python"), "-c", probe)
+    assert (chosen.returncode, chosen.stdout) == (0, "cli\n"), chosen
+    test_only = as_user(site, "gsbatch", "--test-only", str(script))
+    assert test_only.returncode == 0 and re.search(r"sbatch: Job \d+ to start at", test_only.stderr), test_only
