@@ -7,6 +7,7 @@ import fcntl
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -137,3 +138,28 @@ def test_serve_workers_answer_reload_without_dropping_a_request_and_replace_a_ki
     assert proc.returncode == 0, err[-2000:]
     assert f"worker {killed} ended (signal 9): starting another" in err
     assert not os.path.exists(sock)
+
+
+def test_every_thread_of_the_supervisor_leaves_sigterm_to_it(sock: str, tmp_path: Path) -> None:  # noqa: F811
+    """The metrics server's thread took a SIGTERM that came while the supervisor waited for its
+    workers: the default action killed the supervisor and left the workers running, orphaned."""
+    exe = Path(sys.executable).parent / "slurmgpu"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(exe), "--config", str(SAMPLE), "serve", "--socket", sock, "--group", "",
+                             "--slurm-user", "", "--workers", "2", "--metrics-port", str(port),
+                             "--metrics-dir", str(tmp_path / "metrics")], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: serve.call(sock, {"op": "health"}) is not None and len(workers_of(proc.pid)) == 2)
+        workers = workers_of(proc.pid)
+        threads = [t for t in os.listdir(f"/proc/{proc.pid}/task") if t != str(proc.pid)]
+        blocked = {t: int(next(ln for ln in Path(f"/proc/{proc.pid}/task/{t}/status").read_text().splitlines()
+                               if ln.startswith("SigBlk:")).split()[1], 16) for t in threads}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert threads, "the metrics server runs in a thread of the supervisor"
+    assert all(mask & 1 << (signal.SIGTERM - 1) for mask in blocked.values()), blocked
+    assert proc.returncode == 0, err[-2000:]
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}")]

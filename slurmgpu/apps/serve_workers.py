@@ -148,6 +148,9 @@ class Supervisor:
         self.counts = SharedCounts(2 * workers + 2, serve_socket.MAX_CLIENTS + 1)
         self.children: dict[int, tuple[int, float]] = {}  # pid -> (counts row, started, monotonic)
         self.retiring: set[int] = set()  # told to stop: not replaced when they end
+        # Blocked before the caller starts any thread (the metrics server), which inherits the mask: a
+        # SIGTERM that reached a thread not blocking it killed the supervisor and orphaned its workers.
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
     def run(self, run_as: str | None = None) -> None:
         """Serve until SIGTERM or SIGINT; the socket file is removed on the way out."""
