@@ -584,7 +584,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if unusable and not out.refused:
         _note(sys.stderr, "warning", unusable)
     if config is not None and not out.refused:
-        from slurmgpu.pipeline.plan import oom_warning
+        from slurmgpu.pipeline.memory_fit import oom_warning
 
         if (oom := oom_warning(p, config.memory_gib())) is not None:
             _note(sys.stderr, "warning", oom)
