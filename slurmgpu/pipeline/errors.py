@@ -10,15 +10,16 @@ import re
 SBATCH_USAGE = 255
 
 # Line breaks and other white space become a space; any other control character (C0, DEL, C1: a
-# terminal's escape sequences, its bell, 8-bit CSI) a '?'. U+2028/2029 break lines as well.
-_BREAKS = re.compile(r"[\t\n\v\f\r\x1c-\x1f\x85\u2028\u2029]")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# terminal's escape sequences, its bell, 8-bit CSI) a '?'. U+2028/2029 break lines as well. Patterns,
+# compiled on first use (re caches them): most submissions print nothing, and start-up pays for each.
+_BREAKS = r"[\t\n\v\f\r\x1c-\x1f\x85\u2028\u2029]"
+_CONTROL = r"[\x00-\x1f\x7f-\x9f]"
 
 
 def one_line(text: str) -> str:
     """Text that came from elsewhere (a daemon's reasons, a file, an exception), shown to a user as
     one line that cannot move their cursor, retitle their terminal or ring its bell."""
-    return _CONTROL.sub("?", _BREAKS.sub(" ", text))
+    return re.sub(_CONTROL, "?", re.sub(_BREAKS, " ", text))
 
 
 class InputError(Exception):

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from datetime import date
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # loaded where a waiver is read or checked: most sites have none
+    from datetime import date
 
 REWRITE, ADVISE = "rewrite", "advise"
 MODES = (REWRITE, ADVISE)
@@ -104,7 +106,11 @@ def resolve(modes: Modes, waivers: Sequence[Waiver], *, user: str | None, accoun
             partition: str | None, family: str | None, default_partition: str | None = None,
             today: date | None = None) -> Resolution:
     mode, source = resolve_mode(modes, user, account, partition, default_partition)
-    waiver = find_waiver(waivers, user, account, family, today or date.today())
+    if today is None and waivers:
+        from datetime import date
+
+        today = date.today()
+    waiver = find_waiver(waivers, user, account, family, today) if today is not None else None
     return Resolution(mode, source, waiver)
 
 

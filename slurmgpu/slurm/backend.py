@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-_GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)")
-SHARD_ITEM = re.compile(r"^shard(?::([^:(]+))?:(\d+)")
+# Patterns of sinfo's GRES items, compiled when nodes are read (re caches them), not by a submission
+_GRES_ITEM = r"^gpu(?::([^:(]+))?:(\d+)"
+SHARD_ITEM = r"^shard(?::([^:(]+))?:(\d+)"
 
 
 class SlurmError(RuntimeError):
@@ -115,14 +116,14 @@ class Submitted(NamedTuple):
 _JOB_ID = re.compile(rb"^(?:Submitted batch job )?(\d+)(?:;\S+)?\s*$")
 
 
-def parse_gres(gres: str, item: re.Pattern[str] = _GRES_ITEM) -> dict[str, int]:
+def parse_gres(gres: str, item: str = _GRES_ITEM) -> dict[str, int]:
     """``gpu:a100:4(S:0),gpu:v100:2`` -> {'a100': 4, 'v100': 2} (other gres dropped); with
     ``item=SHARD_ITEM``, the shards: sinfo says ``shard:a100:8``, by the GPU type they share."""
     out: dict[str, int] = {}
     if gres in ("", "(null)"):
         return out
     for text in re.split(r",(?![^()]*\))", gres):
-        m = item.match(text)
+        m = re.match(item, text)
         if m:
             out[m.group(1) or ""] = out.get(m.group(1) or "", 0) + int(m.group(2))
     return out
