@@ -91,10 +91,10 @@ def test_import_layer_contracts_hold() -> None:
     assert re.search(r"Contracts: [1-9]\d* kept, 0 broken", res.stdout), res.stdout[-1000:]
 
 
-def _imported_by_gsbatch(tmp_path: Path, script_text: str, config: Path,
-                         socket_path: str | None = None) -> tuple[set[str], str]:
-    """Run the installed gsbatch entry point under -X importtime against a stand-in sbatch, with
-    the daemon at SOCKET_PATH (None: no daemon); returns the modules it imported and its stderr."""
+def _gsbatch(tmp_path: Path, script_text: str, config: Path, socket_path: str | None,
+             python_args: list[str]) -> str:
+    """Run gsbatch (``python PYTHON_ARGS job.sh``) against a stand-in sbatch, with the daemon at
+    SOCKET_PATH (None: no daemon); returns its stderr."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     (fake / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
@@ -105,13 +105,52 @@ def _imported_by_gsbatch(tmp_path: Path, script_text: str, config: Path,
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURMGPU_CONFIG": str(config),
            "SLURMGPU_SUBMISSION_SPOOL": str(tmp_path / "spool"),
            "SLURMGPU_SOCKET": socket_path or str(tmp_path / "none.sock"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    res = subprocess.run([sys.executable, "-X", "importtime", str(BIN / "gsbatch"), str(script)], env=env,
+    res = subprocess.run([sys.executable, *python_args, str(script)], env=env,
                          capture_output=True, text=True, check=False, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Submitted batch job 4242" in res.stdout
-    names = {line.split("|")[-1].strip() for line in res.stderr.splitlines()
+    return res.stderr
+
+
+def _imported_by_gsbatch(tmp_path: Path, script_text: str, config: Path,
+                         socket_path: str | None = None) -> tuple[set[str], str]:
+    """The installed gsbatch entry point under -X importtime (see _gsbatch): the modules it
+    imported and its stderr."""
+    stderr = _gsbatch(tmp_path, script_text, config, socket_path, ["-X", "importtime", str(BIN / "gsbatch")])
+    names = {line.split("|")[-1].strip() for line in stderr.splitlines()
              if line.startswith("import time:") and "|" in line}
-    return names, res.stderr
+    return names, stderr
+
+
+# gsbatch's entry point with every compile() call counted: the module each came from (past typing's
+# frames), on stderr as the process leaves (it leaves by os._exit). The import system's own compiles
+# of a module without its byte code (an edited tree under PYTHONDONTWRITEBYTECODE) are not counted:
+# an installed package is byte-compiled.
+COMPILE_PROBE = """
+import builtins, os, sys
+compiled, real_compile, real_exit = [], builtins.compile, os._exit
+def counted(*args, **kwargs):
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.endswith("typing.py"):
+        frame = frame.f_back
+    name = frame.f_globals.get("__name__", "?")
+    if not name.startswith(("_frozen_importlib", "importlib")):
+        compiled.append(name)
+    return real_compile(*args, **kwargs)
+def leave(code):
+    print("compiled:", sorted(set(compiled)), file=sys.stderr, flush=True)
+    real_exit(code)
+builtins.compile, os._exit = counted, leave
+from slurmgpu.apps.gsbatch import entry
+entry()
+"""
+
+
+def _compiled_by_gsbatch(tmp_path: Path, script_text: str, config: Path, socket_path: str | None) -> list[str]:
+    """The modules whose code called compile() while gsbatch ran (see _gsbatch)."""
+    stderr = _gsbatch(tmp_path, script_text, config, socket_path, ["-c", COMPILE_PROBE])
+    line = next(x for x in stderr.splitlines() if x.startswith("compiled: "))
+    return eval(line.removeprefix("compiled: "))  # noqa: S307 - a list of module names the probe printed
 
 
 def _packages(modules: set[str]) -> set[str]:
@@ -178,3 +217,21 @@ def test_the_daemon_path_loads_no_decision_code(tmp_path: Path, serve_socket: tu
     assert loaded == []
     assert [m for m in HEAVY if m in _packages(modules)] == []
     assert list((tmp_path / "spool").iterdir()), "the submission record is still written"
+
+
+def test_the_daemon_path_compiles_no_code(tmp_path: Path, serve_socket: tuple[str, Path]) -> None:
+    """A process's first compile() builds the interpreter's AST node types (about 2 ms of gsbatch's
+    start-up), and a NamedTuple whose field annotations are text (``from __future__ import
+    annotations``) compiles each of them when its class is made. The modules on gsbatch's daemon
+    path evaluate their annotations instead, so nothing there compiles; without the daemon, the
+    decision modules gsbatch loads do (the probe can see it). The first run reads the TOML config
+    (its parser compiles) and leaves the parse in the per-user cache, as every later run reads it;
+    a daemon that misses gsbatch's deadline on a loaded machine gets three tries, as above."""
+    sock, _ = serve_socket
+    _gsbatch(tmp_path, KEPT, SAMPLE, sock, [str(BIN / "gsbatch")])  # the config's parse is cached
+    for _ in range(3):
+        compiled = _compiled_by_gsbatch(tmp_path, KEPT, SAMPLE, sock)
+        if not compiled:
+            break
+    assert compiled == []
+    assert "slurmgpu.pipeline.policy" in _compiled_by_gsbatch(tmp_path, KEPT, SAMPLE, None)

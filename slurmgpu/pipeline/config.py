@@ -5,7 +5,8 @@ Everything is validated on load so that a typo is reported once, with the key th
 instead of surfacing as a wrong decision later.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import json
 import os

@@ -12,7 +12,8 @@ src/common/gres.c, run by sbatch and again by slurmctld), checked case by case a
 scheduler by tests/test_slurm_diff.py.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import math
 import re

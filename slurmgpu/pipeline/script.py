@@ -10,7 +10,8 @@ kept for ``pipeline.wrapper``, which translates them as sbatch does.
 Every word keeps its character span, so a rewrite can replace exactly the words it must.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import bisect
 import itertools

@@ -6,7 +6,8 @@ to one Slurm release). Submission always goes through sbatch itself, so users se
 own output and exit codes.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import os
 import re
@@ -103,7 +104,7 @@ class SlurmBackend(Protocol):
 
     def cluster_name(self) -> str | None: ...
 
-    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted: ...
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> "Submitted": ...
 
 
 class Submitted(NamedTuple):
