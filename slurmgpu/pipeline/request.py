@@ -15,7 +15,6 @@ scheduler by tests/test_slurm_diff.py.
 # No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
 # NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -594,6 +593,8 @@ def _submitted_job(comp: ComponentRequest) -> _Job:
         per_node = [n for n in (comp.sockets_per_node, lenient("cores-per-socket") or _extra_field(extra, 1),
                                 lenient("threads-per-core") or _extra_field(extra, 2)) if n]
         if per_node:  # one task per socket, core or thread unless told
+            import math  # rare (sockets, cores or threads asked): start-up does not load the extension
+
             ntasks = math.prod(per_node, start=max(min_nodes, 1))
     elif comp.nodes_set and ntasks is not None:
         max_nodes = min(max_nodes, ntasks) if max_nodes else max_nodes
