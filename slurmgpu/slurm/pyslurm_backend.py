@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from slurmgpu.slurm.backend import (
@@ -119,26 +119,34 @@ class PyslurmBackend(CliBackend):
                    job_ids: Sequence[str] = ()) -> Iterator[str]:
         """The lines ``CliBackend.accounting`` reads from sacct, for the same jobs: all users' jobs of
         this cluster active in [since, until] (naive UTC), or JOB_IDS (``123``, ``123_4``, ``123+1``)."""
+        clusters = [str(self.pyslurm.settings.LOCAL_CLUSTER)]
+        typed_filter: dict[str, Any] = {}
         if job_ids:
             window: dict[str, Any] = {"jobids": list(job_ids)}
         elif since is None or until is None:
             raise ValueError("accounting: a time window or job ids")
         else:
             window = {"starttime": local_time(since).encode(), "endtime": local_time(until).encode()}
-        clusters = [str(self.pyslurm.settings.LOCAL_CLUSTER)]
+            typed_filter = {"start_time": _epoch(since), "end_time": _epoch(until)}
         # NO_TRUNC, as sacct without --truncate: times as they were, not cut to the window.
         raw = self._call("accounting", lambda: self.pyslurm.slurmdb_jobs().get(
             clusters=clusters, flags=self.pyslurm.JOBCOND_FLAG_NO_TRUNC, **window))
         if not raw:
             return
-        # Comments are only in the typed API; asked for the same jobs, by their raw ids.
-        flt = self.pyslurm.db.JobFilter(ids=sorted(int(i) for i in raw), clusters=clusters)
-        typed = self._call("accounting", self.pyslurm.db.Jobs.load, flt)
-        tres = {int(t.id): str(name) for name, t in self._call("TRES", self.pyslurm.db.TrackableResources.load).items()}
-        qos = {int(q.id): str(name) for name, q in self._call("QOS", self.pyslurm.db.QualitiesOfService.load).items()}
+        if job_ids:  # the jobs found, by their raw ids
+            typed_filter = {"ids": sorted(int(i) for i in raw)}
+        # AdminComment (the decision tag's place) is only in the typed API: asked for the same jobs, on one
+        # connection with the TRES names. Its jobs carry their QOS names too.
+        db = self.pyslurm.db
+        conn = self._call("accounting", db.Connection.open)
+        try:
+            typed = self._call("accounting", db.Jobs.load, db.JobFilter(clusters=clusters, **typed_filter), conn)
+            tres = {int(t.id): str(name) for name, t in self._call("TRES", db.TrackableResources.load, conn).items()}
+        finally:
+            conn.close()
         for job_id in sorted(raw):
             j = raw[job_id]
-            row = _job_row(j, typed.get(int(job_id)), tres, qos)
+            row = _job_row(j, typed.get(int(job_id)), tres)
             yield LIVE_DELIMITER.join(row[f] for f in LIVE_FIELDS)
             for step_id in sorted(j.get("steps") or {}, key=_step_order):
                 row = _step_row(j, step_id, j["steps"][step_id], tres)
@@ -182,6 +190,11 @@ def _rules(p: Any, disable_root_jobs: bool) -> PartitionRules:
         deny_accounts=_denied(p.denied_accounts), allow_qos=_allowed(p.allowed_qos), deny_qos=_denied(p.denied_qos),
         max_time_min=_limit(p.max_time), max_nodes=_limit(p.max_nodes), nodes=nodes,
         root_only=bool(p.is_root_only), disable_root_jobs=disable_root_jobs)
+
+
+def _epoch(t: datetime) -> int:
+    """Naive UTC to seconds since the epoch."""
+    return int(t.replace(tzinfo=UTC).timestamp())
 
 
 def _time(epoch: int | None) -> str:
@@ -250,7 +263,7 @@ def _time_limit(minutes: int | None) -> str:
     return format_duration(int(minutes) * 60)
 
 
-def _job_row(j: Mapping[str, Any], typed: Any, tres: Mapping[int, str], qos: Mapping[int, str]) -> dict[str, str]:
+def _job_row(j: Mapping[str, Any], typed: Any, tres: Mapping[int, str]) -> dict[str, str]:
     alloc, req = (_tres_values(j.get(key), tres) for key in ("tres_alloc_str", "tres_req_str"))
     # NNodes and NCPUS: from the allocation once it has any TRES string (none while pending), else the request.
     counts = alloc if j.get("tres_alloc_str") else req
@@ -259,7 +272,7 @@ def _job_row(j: Mapping[str, Any], typed: Any, tres: Mapping[int, str], qos: Map
     return {
         "JobID": _job_id(j), "JobIDRaw": str(j["jobid"]), "Cluster": str(j.get("cluster") or ""),
         "User": str(j.get("user") or ""), "Account": str(j.get("account") or ""),
-        "Partition": str(j.get("partition") or ""), "QOS": qos.get(int(j.get("qosid") or 0), ""),
+        "Partition": str(j.get("partition") or ""), "QOS": str(getattr(typed, "qos", None) or ""),
         "Submit": _time(j.get("submit")), "Eligible": _time(j.get("eligible")), "Start": _time(j.get("start")),
         "End": _time(j.get("end")), "Elapsed": format_duration(int(j.get("elapsed") or 0)),
         "Timelimit": _time_limit(j.get("timelimit")), "State": _state(j), "ExitCode": _exit_code(j.get("exitcode")),
