@@ -334,7 +334,7 @@ def choose_backend(env: Mapping[str, str] | None = None) -> Choice:
     try:
         import pyslurm
     except ImportError:
-        return Choice(cli, "pyslurm is not importable (make pyslurm installs it)")
+        return Choice(cli, "pyslurm is not importable; make pyslurm installs it")
     try:
         running = cli.version()
     except SlurmError as exc:
