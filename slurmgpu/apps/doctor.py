@@ -270,7 +270,7 @@ def check_slurm_config(run: Callable[[list[str]], str], config: Config | None) -
     return checks
 
 
-# The modes of a site's spools (README, "Security model"): users drop submission records the nightly
+# The modes of a site's spools (docs/security.md): users drop submission records the nightly
 # account's group reads (setgid) and only its owner removes (sticky); the collector (root) writes GPU records.
 SPOOL_MODES = {"submission": 0o3733, "GPU": 0o2770}
 
@@ -288,12 +288,12 @@ def check_spool(name: str, directory: str, now: float, max_age_hours: float = SP
             st = None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             return Check(label, FAIL, f"{directory} is not a directory (a symlink or file)",
-                         f"make it one: install -d -m {want:o} ... {directory} (README, 'Security model')")
+                         f"make it one: install -d -m {want:o} ... {directory} (docs/security.md)")
         if st is not None and stat.S_IMODE(st.st_mode) != want:
             why = (" (no setgid bit: records are written 0600 and the nightly account cannot read them)"
                    if name == "submission" and not st.st_mode & stat.S_ISGID else "")
             return Check(label, FAIL, f"{directory} has mode {stat.S_IMODE(st.st_mode):o}, not {want:o}{why}",
-                         f"chmod {want:o} {directory}, owned as README's 'Security model' says")
+                         f"chmod {want:o} {directory}, owned as docs/security.md says")
     try:
         with os.scandir(directory) as it:
             entries = [e for e in it if not e.name.startswith(".")]
