@@ -1,14 +1,16 @@
 """The Slurm queries through pyslurm (libslurm in-process): no fork and exec of sinfo, squeue,
-scontrol or sacct per question, which is what the daemon's ledger refresh and a large ingest pay.
+scontrol or sacct per question (what that saves, and where pyslurm's own cost is higher:
+docs/admins/pyslurm.md, measured by benchmarks/bench_backends.py).
 
-Same answers as the CLI backend (tests/test_pyslurm_backend.py checks them on the live cluster):
+Same answers as the CLI backend (tests/test_pyslurm_backend.py and tests/test_pyslurm_accounting.py
+check them on the live cluster):
 nodes, free GPUs, partitions with their access rules, the queue, and accounting rows, the last
 rendered as sacct's own ``LIVE_FIELDS`` lines so that one parser (slurm/sacct.py) reads both.
 Submission stays with sbatch (CliBackend.submit).
 
 pyslurm 22.5 to 24.11 share the typed ``Nodes``/``Partitions`` API used here; jobs' TRES strings
 are only in the older dict API (``job().get()``, ``slurmdb_jobs().get()``), which both keep, and
-comments only in the typed ``db.Jobs``: accounting reads both.
+AdminComment only in the typed ``db.Jobs``: accounting reads both.
 """
 
 from __future__ import annotations
