@@ -1,13 +1,24 @@
-"""`slurmgpu serve --workers N`: the faster tree evaluator the workers answer with."""
+"""`slurmgpu serve --workers N`: the workers as deployed (a subprocess: a fork of the threaded test
+process would not be the daemon), their shared connection counts, and the faster tree evaluator."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from test_serve import sock  # noqa: F401 - fixture
 
+from slurmgpu.apps import serve
+from slurmgpu.apps.serve_workers import SharedCounts
 from slurmgpu.pipeline.bundle import TreeEnsemble
 from slurmgpu.pipeline.features import NUMERIC
 
@@ -41,3 +52,88 @@ def test_fast_tree_evaluation_is_bit_identical(depth: int) -> None:
     for _ in range(500):  # values on the borders, between them, and NaN
         x = [rnd.choice([rnd.choice(borders), rnd.uniform(-4, 4), float("nan")]) for _ in NUMERIC]
         assert trees.predict(x) == reference(trees, x)
+
+
+def test_a_worker_killed_holding_the_count_lock_does_not_stall_the_others() -> None:
+    shared = SharedCounts(rows=4, slots=8)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child takes the lock and waits to be killed
+        with shared.lock:
+            os.write(ready_w, b"x")
+            time.sleep(60)
+        os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        with pytest.raises(OSError):  # held by another process: the lock is between processes
+            fcntl.lockf(shared.lock.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready_r)
+    taken = threading.Event()
+
+    def take() -> None:
+        with shared.lock:
+            shared.view(0).add(1000, 1)
+            taken.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    assert taken.wait(5), "the dead worker's lock was never released"
+    assert shared.view(1)[1000] == 1
+
+
+def workers_of(pid: int) -> set[int]:
+    return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+def wait_for(what: Callable[[], bool], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_serve_workers_answer_reload_without_dropping_a_request_and_replace_a_killed_one(sock: str,  # noqa: F811
+                                                                                         tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "slurmgpu"
+    log = (tmp_path / "serve.log").open("w")  # a line per decision: a pipe nobody reads would fill and stall it
+    proc = subprocess.Popen([str(exe), "--config", str(SAMPLE), "serve", "--socket", sock, "--group", "",
+                             "--slurm-user", "", "--workers", "2"], stderr=log)
+    answers: list[dict | None] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            answers.append(serve.ask(sock, JOB, timeout_s=5))
+
+    try:
+        wait_for(lambda: serve.call(sock, {"op": "health"}) is not None and len(workers_of(proc.pid)) == 2)
+        first = workers_of(proc.pid)
+        sender = threading.Thread(target=traffic)
+        sender.start()
+        try:
+            wait_for(lambda: len(answers) > 20)
+            proc.send_signal(signal.SIGHUP)  # new workers first, then the old ones drain
+            wait_for(lambda: not workers_of(proc.pid) & first and len(workers_of(proc.pid)) == 2)
+            during = len(answers)
+            wait_for(lambda: len(answers) > during + 20)
+        finally:
+            stop.set()
+            sender.join(10)
+        assert answers and all(a is not None and a["apply"] == {"partition": "gpu"} for a in answers)
+        second = workers_of(proc.pid)
+        killed = min(second)
+        os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: killed not in workers_of(proc.pid) and len(workers_of(proc.pid)) == 2)
+        assert all(serve.ask(sock, JOB, timeout_s=5) for _ in range(10))
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        log.close()
+    err = (tmp_path / "serve.log").read_text()
+    assert proc.returncode == 0, err[-2000:]
+    assert f"worker {killed} ended (signal 9): starting another" in err
+    assert not os.path.exists(sock)

@@ -70,7 +70,7 @@ def test_expected_wait_from_the_live_queue(tmp_path: Path) -> None:
     import subprocess
     import time
 
-    from slurmgpu.apps.site import cached_waits
+    from slurmgpu.apps.site import cached_queue
 
     name = f"sg-queue-{time.time_ns()}"
     subprocess.run(["sbatch", "-J", name, "-o", "/dev/null", "--gres=gpu:a100:4", "-t", "30", "--wrap", "sleep 120"],
@@ -81,11 +81,12 @@ def test_expected_wait_from_the_live_queue(tmp_path: Path) -> None:
                                         text=True).stdout.split():
             assert time.monotonic() < deadline, "the job did not start"
             time.sleep(0.2)
-        wait = cached_waits(slurm.CliBackend(), {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)})
-        assert wait is not None
+        wait, capacity = cached_queue(slurm.CliBackend(), {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)})
+        assert wait is not None and capacity is not None
         assert 1700 <= wait("a100", 1) <= 1800
         assert wait("v100", 4) == 0.0
-        again = cached_waits(slurm.CliBackend(sinfo="/nonexistent"), {"XDG_CACHE_HOME": str(tmp_path)})
+        again, cached = cached_queue(slurm.CliBackend(sinfo="/nonexistent"), {"XDG_CACHE_HOME": str(tmp_path)})
         assert again is not None and abs(again("a100", 1) - wait("a100", 1)) < 15  # from the cache, aged
+        assert cached is not None and cached.nodes == capacity.nodes  # the node view is cached with it
     finally:
         subprocess.run(["scancel", "-n", name], check=False)

@@ -56,8 +56,8 @@ def call(socket_path: str, message: Mapping[str, Any], timeout_s: float = 1.0) -
 
 
 # How long gsbatch may spend on the daemon in all, per submission (its plan, then its decision when
-# the plan was not taken), before planning in-process: the daemon answers in a few ms (README,
-# Benchmarks); a hung or trickling one must cost a submission no more than this.
+# the plan was not taken), before planning in-process: the daemon answers in a few ms (docs/benchmarks.md,
+# the daemon under load); a hung or trickling one must cost a submission no more than this.
 PLAN_TIMEOUT_S = 0.25
 
 

@@ -15,17 +15,21 @@ connection to one of them. The supervisor answers nothing itself; it
 
 Connection limits (serve_socket: ``MAX_CLIENTS``, ``TRUSTED_RESERVE``, ``MAX_PER_USER``) hold for the
 daemon as a whole, not per worker: admitted connections are counted in shared memory
-(``SharedCounts``), one row per worker, checked and counted under one lock.
+(``SharedCounts``), one row per worker, checked and counted under one lock that the kernel
+releases when its holder dies (``HolderLock``): a worker killed while counting never stalls the rest.
 """
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import multiprocessing
 import os
 import select
 import signal
+import tempfile
+import threading
 import time
 from contextlib import AbstractContextManager
 from typing import Any
@@ -39,6 +43,30 @@ RESPAWN_PAUSE_S = 1.0  # a worker that died this young is replaced only after th
 log = logging.getLogger("slurmgpu.apps.serve")
 
 
+class HolderLock:
+    """A lock between processes that dies with its holder: a POSIX record lock on an unlinked file
+    (the kernel drops it when the holding process ends, SIGKILL included; a semaphore would stay
+    taken and stall every worker), and a thread lock for the threads of one process."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()  # inherited by the workers; record locks are per process
+        self.threads = threading.Lock()
+
+    def __enter__(self) -> None:
+        self.threads.acquire()
+        try:
+            fcntl.lockf(self.file, fcntl.LOCK_EX)
+        except BaseException:
+            self.threads.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.lockf(self.file, fcntl.LOCK_UN)
+        finally:
+            self.threads.release()
+
+
 class SharedCounts:
     """Admitted connections per uid and worker, in shared memory made before the fork: a uid's
     slot in ``uids`` (uid + 1; 0 is free), its count per worker row in ``counts``. A worker's row
@@ -46,7 +74,7 @@ class SharedCounts:
 
     def __init__(self, rows: int, slots: int) -> None:
         self.rows, self.slots = rows, slots
-        self.lock = multiprocessing.Lock()
+        self.lock = HolderLock()
         self.uids = multiprocessing.RawArray("q", slots)
         self.counts = multiprocessing.RawArray("q", rows * slots)
 

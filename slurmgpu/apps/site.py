@@ -5,6 +5,7 @@ Shared by gsbatch and the admin commands, so neither imports the other's entry m
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -135,7 +136,8 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
         except (OSError, ValueError) as exc:
             rules, error = None, str(exc)
         admits = slurm_admits(rules, error, user, os.getuid())
-    return make_decider(config, bundle, user=user, admits=admits, wait=cached_waits(backend, env))
+    wait, capacity = cached_queue(backend, env)
+    return make_decider(config, bundle, user=user, admits=admits, wait=wait, capacity=capacity)
 
 
 def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, user: str | None,
@@ -207,12 +209,14 @@ def cached_partitions(env: Mapping[str, str], ttl_s: float = 60.0,
     return rules
 
 
-def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> Any:
+def cached_queue(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 10.0) -> tuple[Any, Any]:
     """Expected wait per GPU type and count from the live queue (pipeline/queue.py: running jobs'
-    time left, then pending demand by priority), from a per-user cache a few seconds old at most
-    (sinfo and squeue are not free); None when Slurm cannot be asked (rank by runtime alone)."""
+    time left, then pending demand by priority), and what the nodes can start at all
+    (pipeline/capacity.py), from a per-user cache a few seconds old at most (sinfo and squeue are
+    not free); (None, None) when Slurm cannot be asked (rank by runtime alone, as the config says)."""
     import json
 
+    from slurmgpu.pipeline.capacity import Capacity
     from slurmgpu.pipeline.queue import GpuLedger
 
     path, text, age = _fresh_cache(env, "gpu-queue.json", ttl_s)
@@ -220,15 +224,18 @@ def cached_waits(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 1
     try:
         if text is None:
             raise ValueError("no fresh cache")
-        ledger.free = {str(t): [[float(x) for x in node] for node in nodes] for t, nodes in json.loads(text).items()}
-    except (ValueError, TypeError, AttributeError):
+        cached = json.loads(text)
+        ledger.free = {str(t): [[float(x) for x in node] for node in nodes] for t, nodes in cached["free"].items()}
+        ledger.capacity = Capacity.from_json(cached["nodes"])
+    except (ValueError, TypeError, AttributeError, KeyError):
         age = 0.0
         try:
             ledger = GpuLedger.from_queue(backend.nodes(), backend.queue())
         except Exception:  # noqa: BLE001 - no queue view: rank by runtime alone
-            return None
-        _keep_cache(path, json.dumps(ledger.free))
-    return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=age)
+            return None, None
+        capacity = ledger.capacity.to_json() if ledger.capacity else []
+        _keep_cache(path, json.dumps({"free": ledger.free, "nodes": capacity}))
+    return functools.partial(ledger.wait, now=age), ledger.capacity
 
 
 def cached_slurm_version(env: Mapping[str, str], sinfo: str = "sinfo") -> tuple[int, int] | None:

@@ -141,7 +141,7 @@ def ingest_cmd(ctx: click.Context, from_file: str | None, fields: str | None, de
     if report.files_unreadable:
         _echo_some("cannot read spool record as this account (left in place)", report.files_unreadable)
         click.echo("slurmgpu: the ingest's account must be in the spool's group and records group-readable "
-                   "(see 'Security model: spools and the nightly account' in the README); "
+                   "(see docs/security.md, 'Spools and the nightly account'); "
                    "records written before that can be drained once by root", err=True)
     click.echo(report.summary())
     if report.errors or report.files_rejected or report.files_unreadable:

@@ -122,7 +122,7 @@ def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, v
 @click.pass_context
 def predict_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...]) -> None:
     """Print (JSON) what the model decides for SCRIPT, with its numbers per candidate type."""
-    from slurmgpu.apps.site import cached_waits
+    from slurmgpu.apps.site import cached_queue
     from slurmgpu.pipeline.bundle import Bundle
     from slurmgpu.pipeline.policy import ModelDecider
     from slurmgpu.slurm.backend import CliBackend
@@ -135,8 +135,8 @@ def predict_cmd(ctx: click.Context, script: str, sbatch_options: tuple[str, ...]
         request = build_request(read_script(script), sbatch_options, os.environ, config.gpu_features())
     except (OSError, ValueError) as exc:
         fail(exc if isinstance(exc, InputError) else InputError(f"model unusable: {exc}", file=path))
-    decision = ModelDecider(config, bundle, lambda: {}, current_user(), wait=cached_waits(CliBackend(), os.environ)) \
-        .decide(request)
+    wait, capacity = cached_queue(CliBackend(), os.environ)
+    decision = ModelDecider(config, bundle, lambda: {}, current_user(), wait=wait, capacity=capacity).decide(request)
     change = decision.changes[0] if decision.changes else None
     main_req = request.main
     click.echo(json.dumps({

@@ -129,6 +129,12 @@ class ComponentRequest(NamedTuple):
         return [p for p in (self.partition or "").split(",") if p]
 
     @property
+    def array_tasks(self) -> tuple[int, int]:
+        """(tasks, at most this many at once: 0 for no limit) of ``--array``, as Slurm reads
+        ``0-15``, ``1,3,8-9``, ``0-15:4`` and ``%4``; (1, 0) for none or a spec it would refuse."""
+        return array_tasks(self.array)
+
+    @property
     def gpu_types(self) -> list[str]:
         types = [t for t, n in self.tally.by_type if t and n]
         if not types and len(self.constraint_gpu_types) == 1:
@@ -760,3 +766,24 @@ def tally_gpus(comp: ComponentRequest) -> GpuTally:
             n = rec.total if single else None
         per_node = None if per_node is None or n is None else per_node + n
     return GpuTally(tuple((r.type, r.total) for r in records), per_node, nodes, job.num_tasks, job.sockets_per_node)
+
+
+_ARRAY_RANGE = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")
+
+
+def array_tasks(spec: str | None) -> tuple[int, int]:
+    """(tasks, concurrent limit or 0) of an ``--array`` value; (1, 0) for none or a malformed one."""
+    if not spec:
+        return 1, 0
+    body, _, limit = spec.partition("%")
+    tasks = 0
+    for part in body.split(","):
+        m = _ARRAY_RANGE.fullmatch(part.strip())
+        if m is None:
+            return 1, 0
+        first, last, step = int(m[1]), int(m[2] or m[1]), int(m[3] or 1)
+        if last < first or step < 1:
+            return 1, 0
+        tasks += (last - first) // step + 1
+    return max(tasks, 1), int(limit) if limit.isdigit() else 0
+

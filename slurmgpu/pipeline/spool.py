@@ -7,7 +7,7 @@ anyone else's records) and the ingest, run by the nightly account, loads them an
 from the file's owner, never from what the file says. In a setgid spool a record gets the
 directory's group and mode 0640, so the nightly account (in that group) can read it and no other
 user can; anywhere else it is 0600. Writes are atomic (temporary name, then rename), so the ingest
-never sees half a record. See "Security model: spools and the nightly account" in the README.
+never sees half a record. See docs/security.md, "Spools and the nightly account".
 """
 
 from __future__ import annotations
