@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated seeds")
     parser.add_argument("--history", type=int, default=1500, help="history jobs per seed")
     parser.add_argument("--held-out", type=int, default=128, help="later jobs the decider is asked about")
-    X
+    parser.add_argument("--iterations", type=int, default=400, help="boosting iterations (as slurmgpu train)")
     parser.add_argument("--source", default="gavel_sim", choices=("gavel_sim", "gavel_phys"))
     parser.add_argument("--work", default="hidden,visible", help="variants: hidden, visible or both")
     parser.add_argument("--out", type=Path, default=RESULTS)
