@@ -324,6 +324,12 @@ def table_md(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         lines.append(f"| {r['work']} | {r['seed']} | {_cell(r['decider'])} | {_cell(r['requests'])} | "
                      f"{_cell(r['datasheet'])} | {_cell(r['oracle'])} | {r['decider_changed']}/{r['held_out']} |")
+    for work in dict.fromkeys(r["work"] for r in results):
+        rs = [r for r in results if r["work"] == work and r["decider"].get("jobs") and r["datasheet"].get("jobs")]
+        held = sum(r["decider"]["within_5pct"] >= r["datasheet"]["within_5pct"]
+                   and r["decider"]["mean_ratio"] >= r["datasheet"]["mean_ratio"] for r in rs)
+        lines.append(f"\n{work} work: the decider at least the datasheet rule on both figures on {held} of "
+                     f"{len(rs)} seeds")
     return "\n".join(lines)
 
 
