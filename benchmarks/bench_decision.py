@@ -288,6 +288,7 @@ def run_seed(seed: int, visible: bool, n_history: int, n_held: int, iterations: 
     trained_s = time.perf_counter() - started
     policies: dict[str, list[dict[str, Any]]] = {"decider": [], "requests": [], "datasheet": [], "oracle": []}
     moved = 0
+    misses = []  # the decider's choices short of 5% of the best, worst first: for whoever tunes it
     for job in held:
         fam = job.family
         text = script(fam, job.gpu_type, job.steps if visible else None)
@@ -298,6 +299,12 @@ def run_seed(seed: int, visible: bool, n_history: int, n_held: int, iterations: 
                   (change.gpus_total if change and change.gpus_total else fam.gpus))
         moved += chosen != (job.gpu_type, fam.gpus)
         policies["decider"].append(score(fam, chosen, table))
+        ratio = policies["decider"][-1]["ratio"]
+        if ratio is not None and ratio < WITHIN:
+            misses.append({"job": f"{fam.model} batch {fam.batch or '-'} on {fam.gpus} GPU(s)",
+                           "asked": job.gpu_type, "chosen": f"{chosen[1]} x {chosen[0]}",
+                           "best": oracle(fam, table)[0], "ratio": round(ratio, 3),
+                           "reason": "; ".join(decision.reasons)})
         policies["requests"].append(score(fam, (job.gpu_type, fam.gpus), table))
         policies["datasheet"].append(score(fam, (datasheet_choice(fam), fam.gpus), table))
         policies["oracle"].append(score(fam, (oracle(fam, table)[0], fam.gpus), table))
@@ -305,7 +312,8 @@ def run_seed(seed: int, visible: bool, n_history: int, n_held: int, iterations: 
     return {"seed": seed, "work": "visible" if visible else "hidden", "history_rows": imported.rows,
             "history_oom_rows": sum(r["state"] == "OUT_OF_MEMORY" for r in rows),
             "held_out": len(held), "decider_changed": moved, "train_s": round(trained_s, 1),
-            **{name: summary(scores, rng) for name, scores in policies.items()}}
+            **{name: summary(scores, rng) for name, scores in policies.items()},
+            "decider_misses": sorted(misses, key=lambda m: m["ratio"])[:10]}
 
 
 def _cell(s: dict[str, Any]) -> str:
