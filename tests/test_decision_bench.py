@@ -122,7 +122,7 @@ def _job(row_id: str, jobs: Mapping[str, object]) -> str:
     return row_id if row_id in jobs else row_id[:-1]
 
 
-def test_users_ask_their_habitual_type_and_oom_runs_are_in_the_history(table, tmp_path: Path) -> None:
+def test_users_ask_their_habitual_type_and_oom_runs_are_in_the_history(table) -> None:
     history, rows = _history(table, visible=False)
     asked: dict[str, Counter] = defaultdict(Counter)
     for job in history:
