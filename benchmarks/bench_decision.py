@@ -21,7 +21,9 @@ jobs. Each choice is scored against the measured throughput of the (type, count)
 the users' own requests and the datasheet rule (the fastest type by ``relative_speed`` that fits
 the job's true peak): share within 5% of the measured-fastest type that fits at the asked count,
 mean throughput ratio (an out-of-memory choice counts 0), OOMs, with a bootstrap 95% interval per
-seed. A second variant writes the work into the script (``--max-steps``).
+seed. A second variant writes the work into the script (``--max-steps``). Beside them: what
+``slurmgpu evaluate`` reports on the same held-out jobs (judged by the history's own runtimes) and
+train's runtime MdAPE, and the decider's ten worst choices with its reasons (in the JSON).
 
 Usage: make bench-decision [DECISION_ARGS="--seeds 1,2,3,4,5 --history 1500 --held-out 128"]
 Writes benchmarks/results/decision.json and prints a markdown table.
