@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install pyslurm test-deps site-install demo test test-unit test-slurm-diff bench evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install pyslurm test-deps site-install demo test test-unit test-slurm-diff bench bench-backends bench-decision evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 	-@sh contrib/pyslurm/install.sh $(PY)
@@ -53,6 +53,16 @@ bench: install cluster-up
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_workload.py
 	$(PY) benchmarks/bench_large_scripts.py
+
+# The Slurm queries (ledger refresh, accounting, ingest) through the command-line tools and through pyslurm.
+bench-backends: install cluster-up
+	$(PY) benchmarks/bench_backends.py
+
+# The decider's GPU-type choice on histories built from published throughputs with hidden work,
+# habitual types and OOM rows, scored on the measurements (docs/benchmarks-decision.md).
+DECISION_ARGS ?=
+bench-decision: install
+	$(PY) benchmarks/bench_decision.py $(DECISION_ARGS)
 
 # Policies side by side on a generated ~50k-job workload, simulated (results and plots in scenario-report/).
 evaluate: install

@@ -6,7 +6,10 @@ gsbatch's median added time over sbatch divided by the bare Python start: target
 request is kept, <= 4.5 when it is rewritten. The same ratio of CPU time (user + system, the
 children's rusage) is reported too: on a loaded machine it is less noisy than wall time.
 Usage: make bench-gsbatch [RUNS=40]; ONLY=TEXT measures only the cases whose name holds TEXT
-("kept", "model, rewritten, daemon"); GSBATCH=PATH times that gsbatch instead of this tree's.
+("kept", "model, rewritten, daemon"); GSBATCH=PATH times that gsbatch instead of this tree's, and
+GSBATCH=PATH:PATH... times each of them in the same rotation (before and after a change, interleaved
+on the same machine: each case's rows are then labelled with the gsbatch's path). Each gsbatch's
+tree should be byte-compiled, as this one is here.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def model_cases() -> dict[str, tuple[Path, str]]:
     return out
 
 
-GSBATCH = os.environ.get("GSBATCH") or str(BIN / "gsbatch")
+GSBATCHES = [p for p in (os.environ.get("GSBATCH") or str(BIN / "gsbatch")).split(os.pathsep) if p]
 ONLY = os.environ.get("ONLY", "")
 
 
@@ -89,14 +92,16 @@ def daemon(config: Path, tmp: str) -> Iterator[str]:
         proc.wait(10)
 
 
-def measure(runs: int, script: Path, tmp: str, env: dict[str, str], ids: list[str]) -> dict[str, float]:
-    """Bare Python start, sbatch and gsbatch in turn (rotated), after two warm-up rounds."""
-    order = ["python", "sbatch", "gsbatch"]
+def measure(runs: int, script: Path, tmp: str, env: dict[str, str], ids: list[str]) -> dict[str, dict[str, float]]:
+    """Bare Python start, sbatch and each gsbatch in turn (rotated), after two warm-up rounds;
+    the figures of each gsbatch, by its path."""
+    command = {"python": [sys.executable, "-c", "pass"], "sbatch": ["sbatch"], **{g: [g] for g in GSBATCHES}}
+    order = list(command)
     times: dict[str, list[float]] = {t: [] for t in order}
     cpu: dict[str, list[float]] = {t: [] for t in order}
-    command = {"python": [sys.executable, "-c", "pass"], "sbatch": ["sbatch"], "gsbatch": [GSBATCH]}
     for i in range(runs + 2):
-        for tool in order[i % 3:] + order[:i % 3]:  # rotate so no tool always runs first
+        k = i % len(order)
+        for tool in order[k:] + order[:k]:  # rotate so no tool always runs first
             argv = command[tool] + ([] if tool == "python" else ["--hold", "--parsable", str(script)])
             dt, dc, out = timed(argv, tmp, env)
             if tool != "python":
@@ -104,12 +109,23 @@ def measure(runs: int, script: Path, tmp: str, env: dict[str, str], ids: list[st
             if i >= 2:
                 times[tool].append(dt)
                 cpu[tool].append(dc)
-    py, sb, gs = (statistics.median(times[t]) for t in order)
-    cpy, csb, cgs = (statistics.median(cpu[t]) for t in order)
-    return {"runs": runs, "python_median_ms": py * 1e3, "sbatch_median_ms": sb * 1e3, "gsbatch_median_ms": gs * 1e3,
-            "added_median_ms": (gs - sb) * 1e3, "added_over_python": (gs - sb) / py,
-            "gsbatch_p90_ms": statistics.quantiles(times["gsbatch"], n=10)[-1] * 1e3,
-            "python_cpu_ms": cpy * 1e3, "added_cpu_ms": (cgs - csb) * 1e3, "added_cpu_over_python": (cgs - csb) / cpy}
+    py, sb = (statistics.median(times[t]) for t in ("python", "sbatch"))
+    cpy, csb = (statistics.median(cpu[t]) for t in ("python", "sbatch"))
+    figures = {}
+    for g in GSBATCHES:
+        gs, cgs = statistics.median(times[g]), statistics.median(cpu[g])
+        figures[g] = {"runs": runs, "python_median_ms": py * 1e3, "sbatch_median_ms": sb * 1e3,
+                  "gsbatch_median_ms": gs * 1e3, "added_median_ms": (gs - sb) * 1e3,
+                  "added_over_python": (gs - sb) / py,
+                  "gsbatch_p90_ms": statistics.quantiles(times[g], n=10)[-1] * 1e3,
+                  "python_cpu_ms": cpy * 1e3, "added_cpu_ms": (cgs - csb) * 1e3,
+                  "added_cpu_over_python": (cgs - csb) / cpy}
+    return figures
+
+
+def labelled(case: str, figures: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """One row per gsbatch: the case's name alone when one gsbatch is timed, else with its path."""
+    return {case if len(figures) == 1 else f"{case} [{g}]": f for g, f in figures.items()}
 
 
 def main(runs: int) -> dict[str, dict[str, float]]:
@@ -130,11 +146,11 @@ def main(runs: int) -> dict[str, dict[str, float]]:
                 script.write_text(text)
                 env["SLURMGPU_SOCKET"] = os.path.join(tmp, "no-daemon.sock")
                 if ONLY in f"{case}, in-process":
-                    results[f"{case}, in-process"] = measure(runs, script, tmp, env, ids)
+                    results.update(labelled(f"{case}, in-process", measure(runs, script, tmp, env, ids)))
                 if ONLY in f"{case}, daemon":
                     with daemon(config, tmp) as sock:
                         env["SLURMGPU_SOCKET"] = sock
-                        results[f"{case}, daemon"] = measure(runs, script, tmp, env, ids)
+                        results.update(labelled(f"{case}, daemon", measure(runs, script, tmp, env, ids)))
                     shutil.rmtree(os.path.join(tmp, "run"))
         finally:
             for chunk in range(0, len(ids), 200):

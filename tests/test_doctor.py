@@ -25,7 +25,7 @@ from slurmgpu.cli.main import main
 from slurmgpu.cli.report import doctor_cmd
 from slurmgpu.history import db
 from slurmgpu.pipeline.config import Config, load_config
-from slurmgpu.slurm.backend import NodeInfo, SlurmError
+from slurmgpu.slurm.backend import NodeInfo, SlurmError, select_backend
 
 SAMPLE = Path(__file__).resolve().parent.parent / "contrib" / "slurmgpu.toml"
 NOW = datetime(2026, 6, 1, 12, 0)
@@ -71,6 +71,28 @@ def test_cluster_check(config: Config) -> None:
     check = doctor.check_cluster(config, lambda: small, compare_with_cluster)
     assert check.status == FAIL and check.detail.startswith("partition gpu: GPU type v100 is configured")
     assert "(and 4 more)" in check.detail  # also: 2 a100 per node where the config says 4; no mig
+
+
+def test_backend_check_says_which_and_why(monkeypatch) -> None:
+    import sys
+    import types
+
+    from slurmgpu.slurm import backend
+
+    monkeypatch.setattr(backend.CliBackend, "version", lambda self: "22.05.8")
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setitem(sys.modules, "pyslurm", types.SimpleNamespace(__version__="24.11.0"))
+    check = doctor.check_backend({"SLURMGPU_BACKEND": "auto"}, backend.choose_backend)
+    assert check == ("slurm backend", OK, "command-line tools (pyslurm 24.11.0 does not match Slurm 22.05.8)", "")
+    asked = doctor.check_backend({"SLURMGPU_BACKEND": "pyslurm"}, backend.choose_backend)
+    assert asked.status == WARN and "make pyslurm" in asked.advice
+    assert doctor.check_backend({"SLURMGPU_BACKEND": "cli"}, backend.choose_backend).detail == \
+        "command-line tools (SLURMGPU_BACKEND=cli)"
+    assert doctor.check_backend({"SLURMGPU_BACKEND": "fast"}, backend.choose_backend).status == WARN
+    monkeypatch.setitem(sys.modules, "pyslurm", types.SimpleNamespace(__version__="22.5.3"))
+    assert doctor.check_backend({}, backend.choose_backend).detail == "pyslurm (pyslurm 22.5.3 matches Slurm 22.05.8)"
+    monkeypatch.setitem(sys.modules, "pyslurm", None)  # import fails
+    assert "pyslurm is not importable" in doctor.check_backend({}, backend.choose_backend).detail
 
 
 def test_database_check(tmp_path: Path) -> None:
@@ -287,8 +309,8 @@ def test_doctor_command_without_slurm(tmp_path: Path, sock_dir: str) -> None:
                                            "--socket", os.path.join(sock_dir, "none.sock")])
     data = json.loads(res.output)
     statuses = {c["name"]: c["status"] for c in data["checks"]}
-    assert statuses == {"config": OK, "cluster": FAIL, "database": OK, "model": WARN, "daemon": WARN,
-                        "lua hook": WARN, "collector": WARN, "submission spool": WARN, "GPU spool": OK}
+    assert statuses == {"config": OK, "cluster": FAIL, "slurm backend": OK, "database": OK, "model": WARN,
+                        "daemon": WARN, "lua hook": WARN, "collector": WARN, "submission spool": WARN, "GPU spool": OK}
     assert res.exit_code == 1 and data["ok"] is False
     plain = CliRunner(env=env).invoke(main, ["--config", str(SAMPLE), "--db", url, "doctor", "--socket",
                                              os.path.join(sock_dir, "none.sock")])
@@ -304,6 +326,8 @@ def test_doctor_on_the_local_cluster(tmp_path: Path) -> None:
     data = json.loads(res.output)
     checks = {c["name"]: c for c in data["checks"]}
     assert checks["cluster"]["status"] == OK, checks["cluster"]
+    expected = "pyslurm" if select_backend().name == "pyslurm" else "command-line tools"
+    assert checks["slurm backend"]["status"] == OK and checks["slurm backend"]["detail"].startswith(expected)
     assert checks["database"]["status"] == OK
     # The local cluster runs a pass-through job_submit.lua (JobSubmitPlugins=lua): a hook, not slurmgpu's.
     assert checks["lua hook"]["status"] in (OK, WARN) and "job_submit.lua" in checks["lua hook"]["detail"]

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from slurmgpu.pipeline.queue import GpuLedger
+from slurmgpu.pipeline.request import array_tasks
 from slurmgpu.slurm.backend import NodeInfo, parse_squeue
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -66,3 +71,51 @@ def test_squeue_lines_without_gpus_or_unreadable_are_skipped() -> None:
             "short|line\n")
     [job] = parse_squeue(text)
     assert job.job_id == "8" and math.isinf(job.seconds)
+
+
+def booked_in_turn(ledger: GpuLedger, gpu_type: str, gpus: int, tasks: int, runtime_s: float) -> float:
+    """The mean start of TASKS jobs reserved one after another on a copy (the ledger's own booking)."""
+    copy = GpuLedger({})
+    copy.free = {t: [list(n) for n in nodes] for t, nodes in ledger.free.items()}
+    return sum(copy.reserve(gpu_type, gpus, 0.0, runtime_s) for _ in range(tasks)) / tasks
+
+
+@pytest.mark.parametrize("tasks", [2, 7, 16, 40])
+@pytest.mark.parametrize("gpus", [1, 2, 3])
+def test_an_arrays_wait_is_its_tasks_mean_start_booked_in_turn(tasks: int, gpus: int) -> None:
+    ledger = GpuLedger({"a100": [4, 4, 8]})
+    ledger.reserve("a100", 3, now=0.0, duration=500.0)
+    ledger.reserve("a100", 8, now=0.0, duration=90.0)
+    expected = booked_in_turn(ledger, "a100", gpus, tasks, 60.0)
+    assert ledger.wait("a100", gpus, tasks=tasks, runtime_s=60.0) == pytest.approx(expected)
+    assert ledger.wait("a100", gpus, tasks=tasks, runtime_s=60.0) >= ledger.wait("a100", gpus)
+    assert booked_in_turn(ledger, "a100", gpus, 1, 60.0) == ledger.wait("a100", gpus)  # nothing booked for real
+
+
+def test_an_arrays_concurrency_limit_and_a_huge_array() -> None:
+    ledger = GpuLedger({"t4": [8]})
+    # 8 tasks, 2 at a time, 10 s each: starts 0, 0, 10, 10, 20, 20, 30, 30
+    assert ledger.wait("t4", 1, tasks=8, runtime_s=10.0, at_once=2) == 15.0
+    # 100,000 tasks on 8 GPUs: task k starts at (k // 8) * 10; the ones past MAX_TASKS keep that pace
+    exact = sum((k // 8) * 10.0 for k in range(100_000)) / 100_000
+    assert ledger.wait("t4", 1, tasks=100_000, runtime_s=10.0) == pytest.approx(exact, rel=0.01)
+    assert math.isinf(ledger.wait("t4", 9, tasks=4, runtime_s=10.0))
+
+
+@pytest.mark.parametrize(("spec", "tasks"), [("0-15", (16, 0)), ("1,3,8-9", (4, 0)), ("0-15:4", (4, 0)),
+                                             ("0-31%4", (32, 4)), ("7", (1, 0))])
+def test_array_tasks_count_as_slurm_expands_them(spec: str, tasks: tuple[int, int], submitted: list[str]) -> None:
+    assert array_tasks(spec) == tasks
+    if shutil.which("sbatch") is None:
+        return
+    job = subprocess.run(["sbatch", "--hold", "--parsable", f"--array={spec}", "-p", "debug", "-o", "/dev/null",
+                          "--wrap", "true"], capture_output=True, text=True, check=True).stdout.strip()
+    submitted.append(job)
+    shown = subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%i"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert len(shown) == tasks[0]
+
+
+@pytest.mark.parametrize("spec", [None, "", "x", "5-2", "0-4:0", "1-"])
+def test_an_unreadable_array_is_one_task(spec: str | None) -> None:
+    assert array_tasks(spec) == (1, 0)

@@ -13,7 +13,7 @@ import os
 import socket
 import stat
 import subprocess
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, date, datetime
 from typing import Any, NamedTuple
 
@@ -77,6 +77,23 @@ def check_cluster(config: Config | None, nodes: Callable[[], list[Any]],
         return Check("cluster", FAIL, f"{problems[0]}{more}",
                      "make [partitions]/[gpu_types] match sinfo; `slurmgpu config check` lists every mismatch")
     return Check("cluster", OK, f"config matches the live cluster ({len(live)} node{'' if len(live) == 1 else 's'})")
+
+
+def check_backend(env: Mapping[str, str], choose: Callable[[Mapping[str, str]], Any]) -> Check:
+    """Which Slurm backend the daemon and the ingest use (``slurm.backend.choose_backend``), and why."""
+    asked = env.get("SLURMGPU_BACKEND", "auto")
+    try:
+        choice = choose(env)
+    except Exception as exc:  # noqa: BLE001 - a broken pyslurm install is this one answer
+        return Check("slurm backend", WARN, f"cannot choose: {exc}", "unset SLURMGPU_BACKEND or set it to cli")
+    detail = f"{'pyslurm' if choice.backend.name == 'pyslurm' else 'command-line tools'} ({choice.reason})"
+    if asked not in ("auto", "cli", "pyslurm"):
+        return Check("slurm backend", WARN, f"{detail}; SLURMGPU_BACKEND={asked} is read as auto",
+                     "set SLURMGPU_BACKEND to auto, cli or pyslurm")
+    if asked == "pyslurm" and choice.backend.name != "pyslurm":
+        return Check("slurm backend", WARN, detail,
+                     "run `make pyslurm` for a pyslurm matching this Slurm (docs/admins/pyslurm.md)")
+    return Check("slurm backend", OK, detail)
 
 
 def check_database(url: str, current: Callable[[str], str | None], head: str | None,

@@ -8,7 +8,8 @@ one warning line and sbatch's own output and exit code. Nothing after sbatch has
 submission record, a closed or broken stdout) can change that exit code.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import os
 import sys
@@ -17,12 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
+from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.errors import SBATCH_USAGE, ConfigError, InputError, one_line
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
 
 if TYPE_CHECKING:  # decided in this process, these load on demand; the daemon's plan needs none
-    from slurmgpu.pipeline.config import Config
     from slurmgpu.pipeline.plan import Plan
     from slurmgpu.pipeline.policy import Decider, Decision
     from slurmgpu.pipeline.request import JobRequest
@@ -142,7 +143,7 @@ def _fault(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def explain_text(request: JobRequest, decision: Decision, memory_gib: Mapping[str, float] | None = None) -> str:
+def explain_text(request: "JobRequest", decision: "Decision", memory_gib: Mapping[str, float] | None = None) -> str:
     """The decision in lines; in the table a fit that rests on the family's past runs rather than
     the prediction (its peak is above the card: ``memory_gib``) reads ``runs``, not ``yes``."""
     from slurmgpu.pipeline.policy import by_prediction
@@ -183,9 +184,9 @@ def read_stdin(stream: TextIO | None = None) -> bytes:
     return stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
 
 
-def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None,
+def plan(inv: Invocation, env: Mapping[str, str], decider: "Decider", stdin: TextIO | None = None,
          stdin_data: bytes | None = None, config: Config | None = None,
-         backend: SlurmBackend | None = None) -> Plan:
+         backend: SlurmBackend | None = None) -> "Plan":
     """Parse, decide and rewrite in this process; raises InputError for bad user input.
     A script on stdin is ``stdin_data`` when the caller already read it, else read here.
     ``config``: the site's, by which a --gpu-mem is met whatever the decider; ``backend``: Slurm's
@@ -405,9 +406,7 @@ def is_stream(path: str) -> bool:
 def private_copy(script: str, data: bytes) -> tuple[str, str]:
     """A rewritten script in a private temporary directory, under the script's own file name
     (mode 0600), so the job's default name and output file names do not change."""
-    import tempfile
-
-    tmpdir = tempfile.mkdtemp(prefix="gsbatch-")
+    tmpdir = private_dir()
     try:
         path = os.path.join(tmpdir, os.path.basename(script))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -419,10 +418,35 @@ def private_copy(script: str, data: bytes) -> tuple[str, str]:
     return tmpdir, path
 
 
-def _remove(tmpdir: str) -> None:
-    import shutil
+def private_dir() -> str:
+    """A new directory of mode 0700 named ``gsbatch-RANDOM`` where ``tempfile.mkdtemp`` would put
+    it ($TMPDIR, $TEMP, $TMP, /tmp, /var/tmp, /usr/tmp, the working directory: the first that takes
+    it). Not tempfile itself: its import (shutil, random and the compression modules) costs a
+    rewritten submission a few milliseconds, more than everything else it does here."""
+    places = [os.environ[k] for k in ("TMPDIR", "TEMP", "TMP") if os.environ.get(k)]
+    error: OSError = FileNotFoundError("no usable temporary directory")
+    for place in [*places, "/tmp", "/var/tmp", "/usr/tmp", "."]:
+        for _ in range(100):  # a name taken: another random one
+            try:
+                path = os.path.abspath(os.path.join(place, f"gsbatch-{os.urandom(6).hex()}"))
+                os.mkdir(path, 0o700)
+                return path
+            except FileExistsError as exc:
+                error = exc
+            except OSError as exc:  # missing, not writable: the next place
+                error = exc
+                break
+    raise error
 
-    shutil.rmtree(tmpdir, ignore_errors=True)
+
+def _remove(tmpdir: str) -> None:
+    """The private directory and the script in it (nothing else is put there)."""
+    try:
+        for name in os.listdir(tmpdir):
+            os.unlink(os.path.join(tmpdir, name))
+        os.rmdir(tmpdir)
+    except OSError:
+        pass
 
 
 def record(config: Config | None, env: Mapping[str, str], inv: Invocation, p: Mapping[str, Any],
@@ -471,7 +495,7 @@ def model_version(p: Mapping[str, Any]) -> str | None:
 
 
 def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, backend: SlurmBackend,
-            decider: Decider | None, stdin_data: bytes | None = None) -> dict[str, Any]:
+            decider: "Decider | None", stdin_data: bytes | None = None) -> dict[str, Any]:
     """The plan in JSON form: from the daemon when it answers, else made here (and explained,
     when asked). Raises InputError for bad user input."""
     from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
@@ -502,7 +526,7 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     return made
 
 
-def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None, str | None]:
+def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, "Decider | None", str | None]:
     """The site config; one that cannot be used (missing, unreadable, not UTF-8, invalid) gives
     the keep decider, so the job goes as written (bad input, and a --gpu-mem that cannot be met
     without the config, are still refused), and the warning to print when it does go."""
@@ -537,7 +561,7 @@ def _show(inv: Invocation, out: Outcome) -> int:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-         backend: SlurmBackend | None = None, decider: Decider | None = None) -> int:
+         backend: SlurmBackend | None = None, decider: "Decider | None" = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ if env is None else env)
     backend = backend or CliBackend()
@@ -584,7 +608,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if unusable and not out.refused:
         _note(sys.stderr, "warning", unusable)
     if config is not None and not out.refused:
-        from slurmgpu.pipeline.plan import oom_warning
+        from slurmgpu.pipeline.memory_fit import oom_warning
 
         if (oom := oom_warning(p, config.memory_gib())) is not None:
             _note(sys.stderr, "warning", oom)

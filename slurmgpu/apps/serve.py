@@ -102,7 +102,7 @@ except ImportError:  # pragma: no cover - numpy ships with the training extra
 from slurmgpu.pipeline.capacity import Capacity
 from slurmgpu.pipeline.plan import Plan, make_plan
 from slurmgpu.pipeline.policy import Admits, Decider, Decision, KeepDecider, make_decider
-from slurmgpu.pipeline.queue import GpuLedger
+from slurmgpu.pipeline.queue import GpuLedger, Waits
 from slurmgpu.pipeline.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.pipeline.script import encode, parse_script
@@ -504,12 +504,11 @@ class Service:
         """What the live nodes can start, from the last queue view (None before one is read)."""
         return self.ledger[0].capacity if self.ledger is not None else None
 
-    def _wait(self) -> Callable[[str, int], float] | None:
+    def _wait(self) -> Waits | None:
         """Expected wait from the last queue view, aged by the time since it was read."""
         if self.ledger is None:
             return None
-        ledger, read_at = self.ledger
-        return lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=time.monotonic() - read_at)
+        return functools.partial(self.ledger[0].wait, now=time.monotonic() - self.ledger[1])
 
     def decide(self, job: Mapping[str, Any], who: Who | None = None, record: bool = False) -> dict[str, Any]:
         """The reply to a decide request (raises InputError for an unreadable job). ``record``: the

@@ -5,6 +5,7 @@ Shared by gsbatch and the admin commands, so neither imports the other's entry m
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -234,7 +235,7 @@ def cached_queue(backend: SlurmBackend, env: Mapping[str, str], ttl_s: float = 1
             return None, None
         capacity = ledger.capacity.to_json() if ledger.capacity else []
         _keep_cache(path, json.dumps({"free": ledger.free, "nodes": capacity}))
-    return (lambda gpu_type, gpus: ledger.wait(gpu_type, gpus, now=age)), ledger.capacity
+    return functools.partial(ledger.wait, now=age), ledger.capacity
 
 
 def cached_slurm_version(env: Mapping[str, str], sinfo: str = "sinfo") -> tuple[int, int] | None:

@@ -93,7 +93,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
     from slurmgpu.pipeline.bundle import Bundle
     from slurmgpu.pipeline.config import find_config, load_config
     from slurmgpu.pipeline.spool import gpu_spool, submission_spool
-    from slurmgpu.slurm.backend import select_backend
+    from slurmgpu.slurm.backend import choose_backend, select_backend
 
     first, config = doctor.check_config(find_config(ctx.obj["config_path"]), load_config)
     url = db.resolve_url(ctx.obj["db_url"] or os.environ.get("SLURMGPU_DB_URL")
@@ -104,6 +104,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, socket_path: str, model_max_ag
     checks = [
         first,
         doctor.check_cluster(config, lambda: select_backend().nodes(), compare_with_cluster),
+        doctor.check_backend(os.environ, choose_backend),
         database,
         doctor.check_model(model_path(config, os.environ), config, Bundle.load,
                            _trained_at(url) if database.status == doctor.OK else None, db.utcnow(),

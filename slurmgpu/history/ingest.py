@@ -9,14 +9,12 @@ jobs that were still running last time are updated.
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import math
 import os
 import pwd
 import re
 import stat
-import subprocess
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -40,6 +38,7 @@ from slurmgpu.pipeline.spool import (
     field_size,
 )
 from slurmgpu.slurm import sacct
+from slurmgpu.slurm.backend import SlurmBackend, select_backend
 
 if TYPE_CHECKING:
     from sqlalchemy.dialects.postgresql.dml import Insert as PgInsert
@@ -203,21 +202,6 @@ def _stored(conn: Connection, keys: list[tuple[str, str]]) -> dict[tuple[str, st
 # --- live sacct ---------------------------------------------------------------------------
 
 
-_SACCT = ("sacct", "--allusers", "--parsable2", "--noheader", f"--delimiter={sacct.LIVE_DELIMITER}",
-          f"--format={','.join(sacct.LIVE_FIELDS)}")
-
-
-def sacct_command(since: datetime, until: datetime, cluster: str | None = None) -> list[str]:
-    """sacct for all users' jobs active in [since, until] (UTC in; sacct wants local time)."""
-    def local(t: datetime) -> str:
-        return t.replace(tzinfo=UTC).astimezone().strftime("%Y-%m-%dT%H:%M:%S")
-
-    argv = [*_SACCT, f"--starttime={local(since)}", f"--endtime={local(until)}"]
-    if cluster:
-        argv.append(f"--clusters={cluster}")
-    return argv
-
-
 def watermark(engine: Engine, cluster: str) -> datetime | None:
     with engine.connect() as conn:
         return conn.execute(select(IngestState.watermark).where(IngestState.cluster == cluster)).scalar()
@@ -229,54 +213,40 @@ def _set_watermark(conn: Connection, cluster: str, until: datetime) -> None:
 
 
 def ingest_sacct(engine: Engine, cluster: str, since: datetime | None = None, until: datetime | None = None,
-                 default_days: int = 30, on_chunk: Callable[[int], None] | None = None) -> Report:
-    """Run sacct from the watermark (minus an overlap) to now and load what it prints."""
+                 default_days: int = 30, on_chunk: Callable[[int], None] | None = None,
+                 backend: SlurmBackend | None = None) -> Report:
+    """Load the accounting from the watermark (minus an overlap) to now, through BACKEND (default: the
+    one ``select_backend`` picks: sacct, or pyslurm where it matches the running Slurm)."""
     until = until or utcnow()
     if since is None:
         mark = watermark(engine, cluster)
         since = mark - OVERLAP if mark else until - timedelta(days=default_days)
-    report = _load_sacct(engine, sacct_command(since, until), cluster, on_chunk)
+    backend = backend or select_backend()
+    report = _load_accounting(engine, backend, backend.accounting(since, until), cluster, on_chunk)
     with engine.begin() as conn:
         _set_watermark(conn, cluster, until)
     return report
 
 
-def ingest_jobs_by_id(engine: Engine, cluster: str, job_ids: Iterable[str], report: Report | None = None) -> Report:
-    """sacct for these jobs by id, whatever their times, counted into ``report``. A job cancelled
-    while held never became eligible, and sacct's time window (``ingest_sacct``) never shows such a
-    job, while ``--jobs`` does: without this its submission record would wait for it until given up."""
+def ingest_jobs_by_id(engine: Engine, cluster: str, job_ids: Iterable[str], report: Report | None = None,
+                      backend: SlurmBackend | None = None) -> Report:
+    """These jobs by id, whatever their times, counted into ``report``. A job cancelled while held
+    never became eligible, and the time window (``ingest_sacct``) never shows such a job, while asking
+    by id does: without this its submission record would wait for it until given up."""
     ids = sorted({i for i in job_ids if _JOB_ID.fullmatch(i)})
     report = report or Report()
+    backend = backend or select_backend()
     for start in range(0, len(ids), 200):
-        _load_sacct(engine, [*_SACCT, f"--jobs={','.join(ids[start:start + 200])}"], cluster, report=report)
+        _load_accounting(engine, backend, backend.accounting(job_ids=ids[start:start + 200]), cluster, report=report)
     return report
 
 
-@functools.lru_cache(maxsize=4)
-def _gpu_usage_is_summed(program: str) -> bool:
-    """sacct's version's way with GPU usage, asked once per ingest run (a run may call sacct for
-    its window and again for records' jobs by id)."""
-    return sacct.gpu_usage_is_summed(subprocess.run([program, "--version"], capture_output=True, text=True,
-                                                    timeout=30, check=False).stdout)
-
-
-def _load_sacct(engine: Engine, argv: list[str], cluster: str, on_chunk: Callable[[int], None] | None = None,
-                report: Report | None = None) -> Report:
-    """Run sacct and load what it prints (into ``report``, when given); RuntimeError when it fails."""
-    summed = _gpu_usage_is_summed(argv[0])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
-                            errors="surrogateescape")
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        report = load_jobs(engine, sacct.parse_lines(proc.stdout, sacct.LIVE_FIELDS, sacct.LIVE_DELIMITER, cluster,
-                                                     summed), report, on_chunk=on_chunk)
-    finally:
-        proc.stdout.close()
-        err = proc.stderr.read()
-        code = proc.wait()
-    if code != 0:
-        raise RuntimeError(f"sacct exited {code}: {err.strip()}")
-    return report
+def _load_accounting(engine: Engine, backend: SlurmBackend, lines: Iterable[str], cluster: str,
+                     on_chunk: Callable[[int], None] | None = None, report: Report | None = None) -> Report:
+    """Load the backend's sacct lines (into ``report``, when given); SlurmError (a RuntimeError) when it fails."""
+    summed = sacct.gpu_usage_is_summed(backend.version())
+    return load_jobs(engine, sacct.parse_lines(lines, sacct.LIVE_FIELDS, sacct.LIVE_DELIMITER, cluster, summed),
+                     report, on_chunk=on_chunk)
 
 
 # --- spools: files any user may have written --------------------------------------------------
@@ -891,7 +861,7 @@ def _fetch_missing(engine: Engine, parsed: list[tuple[SpoolFile, dict[str, Any]]
     if missing:
         try:
             fetch(sorted(missing))
-        except (RuntimeError, OSError, subprocess.SubprocessError):
+        except (RuntimeError, OSError):
             pass
 
 

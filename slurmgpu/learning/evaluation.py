@@ -64,7 +64,7 @@ def _measured_rates(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
            test_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Replay the model decider on TEST_ROWS (it was trained on rows before them) and judge it."""
-    decider = ModelDecider(config, bundle, lambda: {}, wait=lambda gpu_type, gpus: 0.0)
+    decider = ModelDecider(config, bundle, lambda: {}, wait=lambda gpu_type, gpus, **_: 0.0)
     rates = _measured_rates([*train_rows, *test_rows])
     out: dict[str, Any] = {"test_jobs": len(test_rows), "replayed": 0, "changed": 0, "type_changed": 0,
                            "count_changed": 0, "placed_fits": 0, "placed_no_fit": 0, "placed_unknown": 0,

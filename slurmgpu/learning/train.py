@@ -25,6 +25,7 @@ from slurmgpu.pipeline.bundle import (
     arch_base_mib,
     memory_base_mib,
     memory_stratum,
+    zero_shift_mib,
 )
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.features import (
@@ -152,7 +153,7 @@ class _Running:
                 **{k: s[k] for k in ("params_m", "acts_m") if k in s},
                 "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
-                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
+                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"], "zero_one_gpu": 1.0,
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
                 **{k: v for k, v in s.items() if k.startswith((HELD, BUSY, RUNS, UTIL, UTIL_RUNS))},
                 **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")}}
@@ -200,19 +201,20 @@ class _Running:
             s["oom"] += 1
         elif row["peak"] and row["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS:
             tokens = math.exp(row["script"]["log_tokens"])
-            lp = math.log(row["peak"])
+            peak = row["peak"] + zero_shift_mib(row["script"], row["gpus"])  # as one GPU's (bundle.py)
+            lp = math.log(peak)
             s["m"] += 1
             s["lpsum"] += lp
             if lp >= s["lpmax"]:
                 s["lpmax"], s["ltmax"] = lp, row["script"]["log_tokens"]
             if s["m"] == 1 or tokens < s["tmin"]:
-                s["tmin"], s["pmin"] = tokens, row["peak"]
+                s["tmin"], s["pmin"] = tokens, peak
             elif tokens == s["tmin"]:
-                s["pmin"] = max(s["pmin"], row["peak"])
+                s["pmin"] = max(s["pmin"], peak)
             s["t"] += tokens
-            s["p"] += row["peak"]
+            s["p"] += peak
             s["tt"] += tokens * tokens
-            s["tp"] += tokens * row["peak"]
+            s["tp"] += tokens * peak
 
 
 def _gpu(config: Config, name: str | None) -> dict[str, float]:

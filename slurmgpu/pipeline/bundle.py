@@ -204,11 +204,32 @@ def analytic_base_mib(f: Mapping[str, float]) -> float:
     return (params * wbytes + state + activations) / 2**20 + 800.0
 
 
+def zero_shift_mib(f: Mapping[str, float], gpus: float) -> float:
+    """What a ZeRO job's per-GPU peak sheds against one GPU's: its gradients and optimizer state
+    (``analytic_base_mib``'s state term) split over GPUS rather than held whole; 0 without ZeRO.
+    A family's peaks are kept as one GPU's (training adds this to each measured peak), so runs on
+    2 and on 8 GPUs fit one line: a 13B ZeRO-2 family measured on 2 GPUs was predicted 124 GiB
+    per GPU on 8, where it peaks at 52-63 GiB, and its jobs were moved off 80 GiB cards."""
+    if not f.get("zero") or gpus <= 1:
+        return 0.0
+    wbytes = 1.0 if f.get("int8") else f.get("precision_bits", 32.0) / 8
+    trainable = f.get("params_b", 0.0) * 1e9 * (0.01 if f.get("lora") else 1.0)
+    return trainable * (wbytes + 12.0) / 2**20 * (1.0 - 1.0 / gpus)
+
+
 def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float | None:
-    """Per-family linear base a + b*tokens (b >= 0) from history; None without a measured peak
-    (a history of outcomes alone: the analytic base then stands)."""
+    """Per-family linear base a + b*tokens (b >= 0) from history, at the job's GPU count
+    (``zero_shift_mib``, where the family's peaks were kept as one GPU's); None without a measured
+    peak (a history of outcomes alone: the analytic base then stands)."""
     if not measured(fam):
         return None
+    one = _one_gpu_base(f, fam)
+    if not fam.get("zero_one_gpu"):
+        return one
+    return max(one - zero_shift_mib(f, f.get("gpus", 1.0)), 1.0)
+
+
+def _one_gpu_base(f: Mapping[str, float], fam: Mapping[str, float]) -> float:
     tokens = math.exp(f["log_tokens"])
     a, b = fam.get("a", 0.0), fam.get("b", 0.0)
     floor = fam.get("peak_at_tokens_min", 0.0)  # memory never shrinks as tokens grow

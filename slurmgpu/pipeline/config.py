@@ -5,13 +5,13 @@ Everything is validated on load so that a typo is reported once, with the key th
 instead of surfacing as a wrong decision later.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import json
 import os
 import re
 from collections.abc import Mapping
-from datetime import date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.errors import ConfigError
@@ -185,6 +185,8 @@ def _cached(cache: str, key: list[Any]) -> dict[str, Any] | None:
 
 def _iso_date(value: Any) -> str:
     """A TOML date (a waiver's ``expires``) in JSON: as ``YYYY-MM-DD``, which the check reads back."""
+    from datetime import date  # loaded already: the TOML parser made the value
+
     if type(value) is date:
         return value.isoformat()
     raise TypeError(f"{type(value).__name__} is not JSON")
@@ -359,6 +361,10 @@ def _modes(raw: dict[str, Any], default: str, path: str) -> Modes:
 
 def _waivers(raw: list[Any], path: str) -> tuple[Waiver, ...]:
     """``[[waivers]]``: user or account (one of them), family, reason, owner, expires (a date)."""
+    if not raw:
+        return ()
+    from datetime import date, datetime  # here, not at the top: gsbatch's start-up pays for it only with waivers
+
     out = []
     for i, body in enumerate(raw):
         t = _Table(body, f"waivers[{i}]", path)

@@ -18,12 +18,17 @@ rendered into it by ``slurmgpu lua render``, the job_submit.lua hook:
 Nothing here reads the environment: what a user can set never changes the mode or the waivers.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import re
 from collections.abc import Mapping, Sequence
-from datetime import date
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from datetime import date
+else:  # the annotations below are evaluated at import, and datetime costs gsbatch ~2 ms to load:
+    date = object  # it is loaded where a waiver is read or checked, and most sites have none
 
 REWRITE, ADVISE = "rewrite", "advise"
 MODES = (REWRITE, ADVISE)
@@ -104,7 +109,11 @@ def resolve(modes: Modes, waivers: Sequence[Waiver], *, user: str | None, accoun
             partition: str | None, family: str | None, default_partition: str | None = None,
             today: date | None = None) -> Resolution:
     mode, source = resolve_mode(modes, user, account, partition, default_partition)
-    waiver = find_waiver(waivers, user, account, family, today or date.today())
+    if today is None and waivers:
+        from datetime import date
+
+        today = date.today()
+    waiver = find_waiver(waivers, user, account, family, today) if today is not None else None
     return Resolution(mode, source, waiver)
 
 

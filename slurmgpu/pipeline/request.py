@@ -12,9 +12,9 @@ src/common/gres.c, run by sbatch and again by slurmctld), checked case by case a
 scheduler by tests/test_slurm_diff.py.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -127,6 +127,12 @@ class ComponentRequest(NamedTuple):
     @property
     def partitions(self) -> list[str]:
         return [p for p in (self.partition or "").split(",") if p]
+
+    @property
+    def array_tasks(self) -> tuple[int, int]:
+        """(tasks, at most this many at once: 0 for no limit) of ``--array``, as Slurm reads
+        ``0-15``, ``1,3,8-9``, ``0-15:4`` and ``%4``; (1, 0) for none or a spec it would refuse."""
+        return array_tasks(self.array)
 
     @property
     def gpu_types(self) -> list[str]:
@@ -593,6 +599,8 @@ def _submitted_job(comp: ComponentRequest) -> _Job:
         per_node = [n for n in (comp.sockets_per_node, lenient("cores-per-socket") or _extra_field(extra, 1),
                                 lenient("threads-per-core") or _extra_field(extra, 2)) if n]
         if per_node:  # one task per socket, core or thread unless told
+            import math  # rare (sockets, cores or threads asked): start-up does not load the extension
+
             ntasks = math.prod(per_node, start=max(min_nodes, 1))
     elif comp.nodes_set and ntasks is not None:
         max_nodes = min(max_nodes, ntasks) if max_nodes else max_nodes
@@ -758,3 +766,24 @@ def tally_gpus(comp: ComponentRequest) -> GpuTally:
             n = rec.total if single else None
         per_node = None if per_node is None or n is None else per_node + n
     return GpuTally(tuple((r.type, r.total) for r in records), per_node, nodes, job.num_tasks, job.sockets_per_node)
+
+
+_ARRAY_RANGE = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")
+
+
+def array_tasks(spec: str | None) -> tuple[int, int]:
+    """(tasks, concurrent limit or 0) of an ``--array`` value; (1, 0) for none or a malformed one."""
+    if not spec:
+        return 1, 0
+    body, _, limit = spec.partition("%")
+    tasks = 0
+    for part in body.split(","):
+        m = _ARRAY_RANGE.fullmatch(part.strip())
+        if m is None:
+            return 1, 0
+        first, last, step = int(m[1]), int(m[2] or m[1]), int(m[3] or 1)
+        if last < first or step < 1:
+            return 1, 0
+        tasks += (last - first) // step + 1
+    return max(tasks, 1), int(limit) if limit.isdigit() else 0
+

@@ -10,7 +10,8 @@ kept for ``pipeline.wrapper``, which translates them as sbatch does.
 Every word keeps its character span, so a rewrite can replace exactly the words it must.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import bisect
 import itertools
@@ -374,7 +375,7 @@ def closest(name: str, known: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT])(?:i?B)?\s*$", re.IGNORECASE)
+_SIZE = r"(?i)^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT])(?:i?B)?\s*$"  # compiled when a --gpu-mem is read
 _UNIT_GIB = {"K": 1.0 / 1024 ** 2, "M": 1.0 / 1024, "G": 1.0, "T": 1024.0}
 
 
@@ -383,7 +384,7 @@ def parse_gpu_mem(value: str | None) -> float:
     1024, as in Slurm's ``--mem``). A number without a unit is refused rather than guessed."""
     if value is None or not value.strip():
         raise InputError("needs a size per GPU, e.g. --gpu-mem=24G", option=GPU_MEM)
-    m = _SIZE.match(value)
+    m = re.match(_SIZE, value)
     if not m:
         hint = f" (write {value.strip()}G or {value.strip()}M)" if re.fullmatch(r"\s*[\d.]+\s*", value) else ""
         raise InputError(f"cannot read size {value!r}{hint}: a number and a unit, K, M, G or T", option=GPU_MEM)

@@ -12,7 +12,6 @@ never sees half a record. See docs/security.md, "Spools and the nightly account"
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import json
@@ -129,6 +128,8 @@ def storable(value: Any, items: int = 100, chars: int = 4096) -> Any:
     was cut."""
     if isinstance(value, str):
         if _unstorable(value):
+            import base64  # rare (bytes that are not UTF-8): gsbatch's start-up does not pay for it
+
             return {"base64": base64.b64encode(_raw(value)).decode()}
         return value if len(value) <= chars else f"{value[:chars]}... [{len(value) - chars} characters omitted]"
     if isinstance(value, list | tuple):

@@ -9,7 +9,8 @@ every option maps onto an sbatch option, some through ``-l``'s resource list (sr
 Slurm 22.05 and 24.11: the tables are the union, 24.11 adds ``#PBS -d``/``-w``).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 from collections.abc import Mapping
 from typing import NamedTuple

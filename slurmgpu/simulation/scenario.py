@@ -274,11 +274,11 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
     now = [0.0, -1.0]  # the submit time being decided (s from t0), and the jobs submitted when its ledger was read
     ledger = [GpuLedger({})]
 
-    def wait(gpu_type: str, gpus: int) -> float:
+    def wait(gpu_type: str, gpus: int, *, tasks: int = 1, runtime_s: float = 0.0, at_once: int = 0) -> float:
         if now[1] != len(placed):  # squeue is read once per decision
             ledger[0] = GpuLedger.from_queue(nodes, squeue(cluster, sim.queue(now[0])))
             now[1] = len(placed)
-        return ledger[0].wait(gpu_type, gpus)
+        return ledger[0].wait(gpu_type, gpus, tasks=tasks, runtime_s=runtime_s, at_once=at_once)
 
     try:
         bundle, _ = fit(training_rows(train, cluster, features, requests), config, iterations=iterations,

@@ -6,17 +6,22 @@ to one Slurm release). Submission always goes through sbatch itself, so users se
 own output and exit codes.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
+# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
 
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-_GRES_ITEM = re.compile(r"^gpu(?::([^:(]+))?:(\d+)")
-SHARD_ITEM = re.compile(r"^shard(?::([^:(]+))?:(\d+)")
+if TYPE_CHECKING:
+    from datetime import datetime
+
+# Patterns of sinfo's GRES items, compiled when nodes are read (re caches them), not by a submission
+_GRES_ITEM = r"^gpu(?::([^:(]+))?:(\d+)"
+SHARD_ITEM = r"^shard(?::([^:(]+))?:(\d+)"
 
 
 class SlurmError(RuntimeError):
@@ -102,7 +107,10 @@ class SlurmBackend(Protocol):
 
     def cluster_name(self) -> str | None: ...
 
-    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted: ...
+    def accounting(self, since: "datetime | None" = None, until: "datetime | None" = None,
+                   job_ids: Sequence[str] = ()) -> Iterator[str]: ...
+
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> "Submitted": ...
 
 
 class Submitted(NamedTuple):
@@ -115,14 +123,14 @@ class Submitted(NamedTuple):
 _JOB_ID = re.compile(rb"^(?:Submitted batch job )?(\d+)(?:;\S+)?\s*$")
 
 
-def parse_gres(gres: str, item: re.Pattern[str] = _GRES_ITEM) -> dict[str, int]:
+def parse_gres(gres: str, item: str = _GRES_ITEM) -> dict[str, int]:
     """``gpu:a100:4(S:0),gpu:v100:2`` -> {'a100': 4, 'v100': 2} (other gres dropped); with
     ``item=SHARD_ITEM``, the shards: sinfo says ``shard:a100:8``, by the GPU type they share."""
     out: dict[str, int] = {}
     if gres in ("", "(null)"):
         return out
     for text in re.split(r",(?![^()]*\))", gres):
-        m = item.match(text)
+        m = re.match(item, text)
         if m:
             out[m.group(1) or ""] = out.get(m.group(1) or "", 0) + int(m.group(2))
     return out
@@ -183,6 +191,43 @@ class CliBackend:
         """ClusterName from slurm.conf, as the running slurmctld has it."""
         m = re.search(r"^ClusterName\s*=\s*(\S+)", self._run(["scontrol", "show", "config"]), re.MULTILINE)
         return m.group(1) if m else None
+
+    def accounting(self, since: "datetime | None" = None, until: "datetime | None" = None,
+                   job_ids: Sequence[str] = ()) -> Iterator[str]:
+        """sacct's lines (``sacct.LIVE_FIELDS``, ``sacct.LIVE_DELIMITER``, each job followed by its steps)
+        for all users' jobs active in [since, until] (naive UTC), or for JOB_IDS whatever their times.
+        Read as sacct prints them; SlurmError after the last line when sacct failed."""
+        import subprocess
+
+        from slurmgpu.slurm.sacct import LIVE_DELIMITER, LIVE_FIELDS
+
+        argv = ["sacct", "--allusers", "--parsable2", "--noheader", f"--delimiter={LIVE_DELIMITER}",
+                f"--format={','.join(LIVE_FIELDS)}"]
+        if job_ids:
+            argv.append(f"--jobs={','.join(job_ids)}")
+        else:
+            if since is None or until is None:
+                raise ValueError("accounting: a time window or job ids")
+            argv += [f"--starttime={local_time(since)}", f"--endtime={local_time(until)}"]
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
+                                    errors="surrogateescape")
+        except FileNotFoundError:
+            raise SlurmError("sacct not found on PATH") from None
+        assert proc.stdout is not None and proc.stderr is not None
+        read = False
+        try:
+            yield from proc.stdout
+            read = True
+        finally:
+            if not read:
+                proc.kill()  # the reader stopped early
+            proc.stdout.close()
+            err = proc.stderr.read()
+            proc.stderr.close()
+            code = proc.wait()
+        if code != 0:
+            raise SlurmError(f"sacct exited {code}: {err.strip()}")
 
     def nodes(self) -> list[NodeInfo]:
         out = self._run([self.sinfo, "-h", "-N", "-o", "%N|%P|%G|%T|%f"])
@@ -247,6 +292,13 @@ def _features(text: str) -> tuple[str, ...]:
     return tuple(f for f in text.split(",") if f and f != "(null)")
 
 
+def local_time(t: "datetime") -> str:
+    """Naive UTC to the local wall-clock time sacct and slurmdbd read (``2026-01-31T23:00:00``)."""
+    from datetime import UTC
+
+    return t.replace(tzinfo=UTC).astimezone().strftime("%Y-%m-%dT%H:%M:%S")
+
+
 def which(command: str, env: Mapping[str, str]) -> str | None:
     """COMMAND as the child's PATH finds it (as subprocess does), or None."""
     if os.sep in command:
@@ -262,28 +314,43 @@ def _major_minor(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
 
 
-def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
-    """pyslurm when asked for (SLURMGPU_BACKEND=pyslurm or auto), importable and matching."""
+class Choice(NamedTuple):
+    """The backend select_backend picks, and why in one line (``slurmgpu doctor`` shows it)."""
+
+    backend: SlurmBackend
+    reason: str
+
+
+def choose_backend(env: Mapping[str, str] | None = None) -> Choice:
+    """pyslurm when asked for (SLURMGPU_BACKEND=pyslurm or auto), importable and matching the
+    running Slurm's major.minor; else the command-line tools, with the reason."""
     env = os.environ if env is None else env
     choice = env.get("SLURMGPU_BACKEND", "auto")
     cli = CliBackend()
     import shutil
 
-    if choice == "cli" or shutil.which("sinfo") is None:
-        return cli
+    if choice == "cli":
+        return Choice(cli, "SLURMGPU_BACKEND=cli")
+    if shutil.which("sinfo") is None:
+        return Choice(cli, "sinfo is not on PATH")
     try:
         import pyslurm
     except ImportError:
-        return cli
+        return Choice(cli, "pyslurm is not importable; make pyslurm installs it")
     try:
         running = cli.version()
-    except SlurmError:
-        return cli
+    except SlurmError as exc:
+        return Choice(cli, f"the Slurm version is unknown ({exc})")
     theirs = str(getattr(pyslurm, "__version__", ""))
     if _major_minor(theirs) != _major_minor(running):
-        return cli
+        return Choice(cli, f"pyslurm {theirs or '(no version)'} does not match Slurm {running}")
     import importlib
 
     # Loaded by name: pyslurm_backend builds on this module, which must not import it back.
     backend: SlurmBackend = importlib.import_module("slurmgpu.slurm.pyslurm_backend").PyslurmBackend(pyslurm)
-    return backend
+    return Choice(backend, f"pyslurm {theirs} matches Slurm {running}")
+
+
+def select_backend(env: Mapping[str, str] | None = None) -> SlurmBackend:
+    """The backend ``choose_backend`` picks."""
+    return choose_backend(env).backend

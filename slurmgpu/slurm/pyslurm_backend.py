@@ -1,25 +1,36 @@
 """The Slurm queries through pyslurm (libslurm in-process): no fork and exec of sinfo, squeue,
-scontrol or sacct per question, which is what the daemon's ledger refresh and a large ingest pay.
+scontrol or sacct per question (what that saves, and where pyslurm's own cost is higher:
+docs/admins/pyslurm.md, measured by benchmarks/bench_backends.py).
 
-Same answers as the CLI backend (tests/test_pyslurm_backend.py checks them on the live cluster):
+Same answers as the CLI backend (tests/test_pyslurm_backend.py and tests/test_pyslurm_accounting.py
+check them on the live cluster):
 nodes, free GPUs, partitions with their access rules, the queue, and accounting rows, the last
 rendered as sacct's own ``LIVE_FIELDS`` lines so that one parser (slurm/sacct.py) reads both.
 Submission stays with sbatch (CliBackend.submit).
 
 pyslurm 22.5 to 24.11 share the typed ``Nodes``/``Partitions`` API used here; jobs' TRES strings
 are only in the older dict API (``job().get()``, ``slurmdb_jobs().get()``), which both keep, and
-comments only in the typed ``db.Jobs``: accounting reads both.
+AdminComment only in the typed ``db.Jobs``: accounting reads both.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from slurmgpu.slurm.backend import SHARD_ITEM, CliBackend, NodeInfo, QueuedJob, SlurmError, parse_gres, queued_job
+from slurmgpu.slurm.backend import (
+    SHARD_ITEM,
+    CliBackend,
+    NodeInfo,
+    QueuedJob,
+    SlurmError,
+    local_time,
+    parse_gres,
+    queued_job,
+)
 from slurmgpu.slurm.partitions import PartitionRules, expand_hostlist
 from slurmgpu.slurm.sacct import LIVE_DELIMITER, LIVE_FIELDS, format_duration
 
@@ -106,19 +117,39 @@ class PyslurmBackend(CliBackend):
                 out.append(q)
         return out
 
-    def accounting(self, since: datetime, until: datetime) -> Iterator[str]:
-        """All users' jobs active in [since, until] (naive UTC) as sacct lines (LIVE_FIELDS, LIVE_DELIMITER,
-        each job followed by its steps), as ``sacct --allusers --starttime --endtime`` prints them."""
-        start, end = (_local(t).encode() for t in (since, until))
-        raw = self._call("accounting", lambda: self.pyslurm.slurmdb_jobs().get(starttime=start, endtime=end))
-        flt = self.pyslurm.db.JobFilter(start_time=_epoch(since), end_time=_epoch(until))
-        typed = self._call("accounting", self.pyslurm.db.Jobs.load, flt)
-        tres = {int(t.id): str(name) for name, t in self._call("TRES", self.pyslurm.db.TrackableResources.load).items()}
-        qos = {int(q.id): str(name) for name, q in self._call("QOS", self.pyslurm.db.QualitiesOfService.load).items()}
+    def accounting(self, since: datetime | None = None, until: datetime | None = None,
+                   job_ids: Sequence[str] = ()) -> Iterator[str]:
+        """The lines ``CliBackend.accounting`` reads from sacct, for the same jobs: all users' jobs of
+        this cluster active in [since, until] (naive UTC), or JOB_IDS (``123``, ``123_4``, ``123+1``)."""
+        clusters = [str(self.pyslurm.settings.LOCAL_CLUSTER)]
+        typed_filter: dict[str, Any] = {}
+        if job_ids:
+            window: dict[str, Any] = {"jobids": list(job_ids)}
+        elif since is None or until is None:
+            raise ValueError("accounting: a time window or job ids")
+        else:
+            window = {"starttime": local_time(since).encode(), "endtime": local_time(until).encode()}
+            typed_filter = {"start_time": _epoch(since), "end_time": _epoch(until)}
+        # NO_TRUNC, as sacct without --truncate: times as they were, not cut to the window.
+        raw = self._call("accounting", lambda: self.pyslurm.slurmdb_jobs().get(
+            clusters=clusters, flags=self.pyslurm.JOBCOND_FLAG_NO_TRUNC, **window))
+        if not raw:
+            return
+        if job_ids:  # the jobs found, by their raw ids
+            typed_filter = {"ids": sorted(int(i) for i in raw)}
+        # AdminComment (the decision tag's place) is only in the typed API: asked for the same jobs, on one
+        # connection with the TRES names. Its jobs carry their QOS names too.
+        db = self.pyslurm.db
+        conn = self._call("accounting", db.Connection.open)
+        try:
+            typed = self._call("accounting", db.Jobs.load, db.JobFilter(clusters=clusters, **typed_filter), conn)
+            tres = {int(t.id): str(name) for name, t in self._call("TRES", db.TrackableResources.load, conn).items()}
+        finally:
+            conn.close()
         for job_id in sorted(raw):
             j = raw[job_id]
-            t = typed.get(int(job_id))
-            yield LIVE_DELIMITER.join(_job_row(j, t, tres, qos)[f] for f in LIVE_FIELDS)
+            row = _job_row(j, typed.get(int(job_id)), tres)
+            yield LIVE_DELIMITER.join(row[f] for f in LIVE_FIELDS)
             for step_id in sorted(j.get("steps") or {}, key=_step_order):
                 row = _step_row(j, step_id, j["steps"][step_id], tres)
                 yield LIVE_DELIMITER.join(row.get(f, "") for f in LIVE_FIELDS)
@@ -166,16 +197,16 @@ def _rules(p: Any, disable_root_jobs: bool) -> PartitionRules:
 
 
 def _epoch(t: datetime) -> int:
+    """Naive UTC to seconds since the epoch."""
     return int(t.replace(tzinfo=UTC).timestamp())
 
 
-def _local(t: datetime) -> str:
-    return t.replace(tzinfo=UTC).astimezone().strftime("%Y-%m-%dT%H:%M:%S")
-
-
 def _time(epoch: int | None) -> str:
-    """sacct's local wall-clock time, ``Unknown`` when unset."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch)) if epoch else "Unknown"
+    """sacct's local wall-clock time; ``Unknown`` when unset, ``None`` when Slurm marks it NO_VAL (a job
+    cancelled before it started)."""
+    if epoch == _NO_VAL:
+        return "None"
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch)) if epoch and epoch != _INFINITE else "Unknown"
 
 
 def _size_mb(mb: int) -> str:
@@ -187,26 +218,21 @@ def _size_mb(mb: int) -> str:
     return f"{mb}{_UNITS[unit]}"
 
 
-def _tres_text(ids: str | None, names: Mapping[int, str]) -> str:
-    """``1=1,2=500,1001=1`` to sacct's ``billing=1,cpu=1,gres/gpu=1,mem=500M,node=1`` (sorted by name)."""
-    items = []
-    for item in (ids or "").split(","):
-        key, _, value = item.partition("=")
-        if not key.isdigit() or not value.isdigit() or int(value) >= _NO_VAL64 or int(key) not in names:
-            continue
-        name = names[int(key)]
-        items.append((name, _size_mb(int(value)) if name == "mem" else value))
-    return ",".join(f"{k}={v}" for k, v in sorted(items))
-
-
-def _usage_text(ids: str | None, names: Mapping[int, str]) -> dict[str, str]:
-    """A step's ``tres_usage_in_max`` by name (sizes in bytes, which sacct.parse_size_mib reads as such)."""
+def _tres_values(ids: str | None, names: Mapping[int, str]) -> dict[str, str]:
+    """``1=1,2=500,1001=1`` by TRES name (``{'cpu': '1', 'mem': '500', 'gres/gpu': '1'}``), unset (NO_VAL) ones left
+    out; memory as given: MB in a request or allocation, bytes in usage (which sacct.parse_size_mib reads as such)."""
     out = {}
     for item in (ids or "").split(","):
         key, _, value = item.partition("=")
         if key.isdigit() and value.isdigit() and int(value) < _NO_VAL64 and int(key) in names:
             out[names[int(key)]] = value
     return out
+
+
+def _tres_text(values: Mapping[str, str]) -> str:
+    """A job's TRES as sacct prints them: ``billing=1,cpu=1,gres/gpu:a100=1,gres/gpu=1,mem=500M,node=1``
+    (memory in MB to its exact unit, items sorted as whole ``name=value`` strings)."""
+    return ",".join(sorted(f"{k}={_size_mb(int(v)) if k == 'mem' else v}" for k, v in values.items()))
 
 
 def _exit_code(status: int | None) -> str:
@@ -241,19 +267,21 @@ def _time_limit(minutes: int | None) -> str:
     return format_duration(int(minutes) * 60)
 
 
-def _job_row(j: Mapping[str, Any], typed: Any, tres: Mapping[int, str], qos: Mapping[int, str]) -> dict[str, str]:
-    alloc, req = _tres_text(j.get("tres_alloc_str"), tres), _tres_text(j.get("tres_req_str"), tres)
-    counts = dict(item.split("=", 1) for item in (alloc or req).split(",") if "=" in item)
-    req_mem = int(j.get("req_mem") or 0)
+def _job_row(j: Mapping[str, Any], typed: Any, tres: Mapping[int, str]) -> dict[str, str]:
+    alloc, req = (_tres_values(j.get(key), tres) for key in ("tres_alloc_str", "tres_req_str"))
+    # NNodes and NCPUS: from the allocation once it has any TRES string (none while pending), else the request.
+    counts = alloc if j.get("tres_alloc_str") else req
+    # ReqMem: the job's whole request (its TRES), not the per-CPU figure.
+    req_mem = int(req.get("mem") or j.get("req_mem") or 0)
     return {
         "JobID": _job_id(j), "JobIDRaw": str(j["jobid"]), "Cluster": str(j.get("cluster") or ""),
         "User": str(j.get("user") or ""), "Account": str(j.get("account") or ""),
-        "Partition": str(j.get("partition") or ""), "QOS": qos.get(int(j.get("qosid") or 0), ""),
+        "Partition": str(j.get("partition") or ""), "QOS": str(getattr(typed, "qos", None) or ""),
         "Submit": _time(j.get("submit")), "Eligible": _time(j.get("eligible")), "Start": _time(j.get("start")),
         "End": _time(j.get("end")), "Elapsed": format_duration(int(j.get("elapsed") or 0)),
         "Timelimit": _time_limit(j.get("timelimit")), "State": _state(j), "ExitCode": _exit_code(j.get("exitcode")),
-        "ReqTRES": req, "AllocTRES": alloc, "NNodes": str(j.get("alloc_nodes") or counts.get("node", "")),
-        "NCPUS": counts.get("cpu", str(j.get("req_cpus") or "")), "ReqMem": f"{req_mem}M" if req_mem else "0",
+        "ReqTRES": _tres_text(req), "AllocTRES": _tres_text(alloc), "NNodes": counts.get("node", "0"),
+        "NCPUS": counts.get("cpu", "0"), "ReqMem": _size_mb(req_mem) if req_mem else "0",
         "MaxRSS": "", "TRESUsageInMax": "", "NodeList": str(j.get("nodes") or "None assigned"),
         "JobName": str(j.get("jobname") or ""),
         "AdminComment": str(getattr(typed, "admin_comment", None) or ""),
@@ -267,7 +295,7 @@ def _step_order(step_id: int) -> tuple[int, int]:
 
 def _step_row(j: Mapping[str, Any], step_id: int, step: Mapping[str, Any], tres: Mapping[int, str]) -> dict[str, str]:
     """The step fields the parser folds into its job: JobID, MaxRSS and TRESUsageInMax."""
-    usage = _usage_text((step.get("stats") or {}).get("tres_usage_in_max"), tres)
+    usage = _tres_values((step.get("stats") or {}).get("tres_usage_in_max"), tres)
     return {"JobID": f"{_job_id(j)}.{_STEP_NAMES.get(step_id, step_id)}", "State": str(step.get("state_str") or ""),
             "MaxRSS": usage.get("mem", ""),
             "TRESUsageInMax": ",".join(f"{k}={v}" for k, v in sorted(usage.items()))}
