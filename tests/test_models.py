@@ -626,8 +626,36 @@ def test_a_familys_speed_ratio_between_two_types_is_measured_at_one_batch(traine
     ratio = ModelDecider._measured_ratio
     assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) is None
     fam = {**fam, "rate:1xa100@4096": -12.5, "rate:1xv100@64": -8.2}
-    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) == pytest.approx(0.8)  # at the job's batch
-    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(512)) == pytest.approx((0.5 + 0.8) / 2)  # paired mean
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) == pytest.approx((0.8, None))  # at the job's batch
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(512)) == pytest.approx(((0.5 + 0.8) / 2, None))  # paired
+    counts = {"rate_n:1xv100@64": 2.0, "rate_n:1xa100@64": 4.0, "rate_n:1xv100@4096": 1.0, "rate_n:1xa100@4096": 1.0}
+    fam = {**fam, **counts}
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) == pytest.approx((0.8, 1 / 2 + 1 / 4))
+    assert ratio(fam, ("v100", 1), ("a100", 1), math.log(512)) == pytest.approx((0.65, (1 / 2 + 1 / 4 + 2) / 4))
+
+
+@pytest.mark.parametrize(("sd", "near"), [(1.4, "datasheet"), (0.05, "measured")])
+def test_a_measured_ratio_is_weighed_by_its_runs_spread_against_the_datasheet(trained, config, sd: float,
+                                                                              near: str) -> None:
+    """Three runs on each card, the V100 measured 2x faster than the A100 (the datasheet says the
+    reverse): runs of hidden work (log speed spread 1.4) leave the datasheet's ratio standing;
+    runs of known work (spread 0.05) decide for themselves."""
+    fam = {"rate:1xv100@64": -9.0 - math.log(2), "rate:1xa100@64": -9.0, "rate_n:1xv100@64": 3.0,
+           "rate_n:1xa100@64": 3.0, "rate_ss": 4 * sd ** 2, "rate_dof": 4.0}
+    speed = {name: math.log(t.relative_speed) for name, t in config.gpu_types.items()}
+    others = {f"f{i}": {"rate:1xa100@8": -speed["a100"], "rate:1xv100@8": -speed["v100"], "rate_ss": 4 * sd ** 2,
+                        "rate_dof": 4.0} for i in range(3)}  # the site's runs follow the datasheet
+    bundle = Bundle({**trained[0].data, "history": {"families": {"fam": fam, **others}, "archs": {}}})
+    decider = ModelDecider(config, bundle, lambda: {})
+    measured = ModelDecider._measured_ratio(fam, ("v100", 1), ("a100", 1), math.log(64))
+    assert measured == pytest.approx((-math.log(2), 2 / 3))
+    weighed = decider._weighed_ratio({"family": "fam"}, fam, measured, config.gpu_types["v100"], 1, "a100", 1)
+    speeds = config.gpu_types
+    datasheet = decider._speed_exponent({"family": "fam"}, 1, own=False) * math.log(speeds["a100"].relative_speed /
+                                                                          speeds["v100"].relative_speed)
+    assert datasheet > 0 > measured[0]  # the V100 slower on paper, faster as measured
+    target, other = (datasheet, measured[0]) if near == "datasheet" else (measured[0], datasheet)
+    assert abs(weighed - target) < 0.1 * abs(other - target)
 
 
 def test_a_familys_speed_slope_holds_its_batches_apart_and_leans_on_the_sites(trained, config) -> None:

@@ -33,6 +33,7 @@ from slurmgpu.pipeline.features import (
     HELD,
     NUMERIC,
     RATE,
+    RATE_N,
     RUNS,
     SCRIPT_NUMERIC,
     UTIL,
@@ -156,7 +157,9 @@ class _Running:
                 "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"], "zero_one_gpu": 1.0,
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
                 **{k: v for k, v in s.items() if k.startswith((HELD, BUSY, RUNS, UTIL, UTIL_RUNS))},
-                **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")}}
+                **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")},
+                **{f"{RATE_N}{k[3:]}": v for k, v in s.items() if k.startswith("rn:")},
+                **_rate_spread(s)}
         var = s["tt"] - s["t"] ** 2 / m if m else 0.0
         if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
             b = (s["tp"] - s["t"] * s["p"] / m) / var
@@ -188,6 +191,7 @@ class _Running:
             rate = log_rate(row["elapsed"], row["script"])
             for shape in rate_keys(row["gpus"], row["gpu_type"], row["script"]["log_tokens"]):
                 s[f"rs:{shape}"] = s.get(f"rs:{shape}", 0.0) + rate
+                s[f"rq:{shape}"] = s.get(f"rq:{shape}", 0.0) + rate * rate
                 s[f"rn:{shape}"] = s.get(f"rn:{shape}", 0.0) + 1
         if row["state"] == "COMPLETED" and row.get("gpus_used") is not None:
             busy, runs = f"{BUSY}{row['gpus']}", f"{RUNS}{row['gpus']}"
@@ -215,6 +219,19 @@ class _Running:
             s["p"] += peak
             s["tt"] += tokens * tokens
             s["tp"] += tokens * peak
+
+
+def _rate_spread(s: Mapping[str, float]) -> dict[str, float]:
+    """The family's spread of log speed between runs of one shape and batch: "rate_ss", the sum of
+    squared deviations from each shape's mean, over "rate_dof" degrees of freedom (work hidden from
+    the script spreads it wide; the decider weighs the family's measured ratios by it)."""
+    ss = dof = 0.0
+    for k, n in s.items():
+        if k.startswith("rn:") and "@" in k and n >= 2:
+            total = s[f"rs:{k[3:]}"]
+            ss += max(s[f"rq:{k[3:]}"] - total * total / n, 0.0)
+            dof += n - 1
+    return {"rate_ss": ss, "rate_dof": dof}
 
 
 def _gpu(config: Config, name: str | None) -> dict[str, float]:

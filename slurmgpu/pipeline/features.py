@@ -264,6 +264,8 @@ HELD = "held:"
 # seconds / (steps x tokens)), its measured speed there; the decider compares shapes the family ran
 # on by these, not by the datasheet.
 RATE = "rate:"
+# "rate_n:<shape>": how many runs that mean is over (the weight of the family's own speed evidence).
+RATE_N = "rate_n:"
 # Family statistics "busy:<GPUs>" and "runs:<GPUs>": the most GPUs the collector saw busy in a
 # completed run given that many, and how many such runs it saw (a run given 4 GPUs that only ever
 # kept 1 busy runs as well on 1: the decider may trim a count on that evidence).

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from slurmgpu.pipeline.capacity import Capacity, need_of
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE, busy_bound, log_size, rate_keys, util_bound
+from slurmgpu.pipeline.features import RATE, RATE_N, busy_bound, log_size, rate_keys, util_bound
 from slurmgpu.pipeline.hardware import supports_bf16
 from slurmgpu.pipeline.queue import Waits
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest, array_tasks
@@ -93,6 +93,12 @@ SPEED_PRIOR = 0.1
 _DISTRIBUTED = re.compile(r"NCCL|torch\.distributed|init_process_group|DistributedDataParallel|deepspeed|horovod"
                           r"|\bmpirun\b|\bmpiexec\b|--multi[_-]gpu", re.IGNORECASE)
 # Per bundle: the site's pooled speed slope, by the datasheet speeds it was computed with.
+# How far the datasheet's speed ratio of two types (to the family's exponent) may be off for a job, as
+# a log standard deviation: the prior a family's own measured ratio is weighed against.
+PRIOR_RATIO_SD = 0.3
+# Degrees of freedom the site's spread of log speed counts for when a family's own is estimated.
+SITE_SPREAD_DOF = 5.0
+_SITE_SPREADS: weakref.WeakKeyDictionary[Any, float | None] = weakref.WeakKeyDictionary()
 _SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...], float]] = weakref.WeakKeyDictionary()
 
 
@@ -531,10 +537,12 @@ class ModelDecider:
         for (gt, c), pred in zip(shapes, preds, strict=True):
             known = f"{c}x{gt.name}" in seen
             runtime_margin = max(pred.runtime_upper_s / max(pred.runtime_s, 1e-9), 1.0)
-            ratio = self._measured_ratio(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
-            if asked_pred is not None and ratio is not None:
-                # The family ran both shapes at one batch: its own measured speed ratio there.
-                runtime = asked_pred.runtime_s * math.exp(ratio)
+            measured = self._measured_ratio(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
+            if asked_pred is not None and measured is not None:
+                # The family ran both shapes at one batch: its own measured speed ratio there,
+                # weighed against the datasheet's by how many runs it rests on and how widely they spread.
+                runtime = asked_pred.runtime_s * math.exp(self._weighed_ratio(sf, fam, measured, gt, c, req_type,
+                                                                               req_total))
             elif known:
                 runtime = pred.runtime_s
             elif asked_pred is not None and c == req_total and req_type and \
@@ -569,33 +577,84 @@ class ModelDecider:
                      if busy <= c.gpus < req_total and c.gpu_type in full else c for c in table]
         return table
 
+    def _weighed_ratio(self, sf: Mapping[str, Any], fam: Mapping[str, Any], measured: tuple[float, float | None],
+                       gt: GpuType, gpus: int, req_type: str | None, req_total: int) -> float:
+        """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at the
+        family's speed exponent): precision-weighted, the measurement's variance the family's spread
+        of log speed (``_rate_variance``) over the runs on each side, the prior's ``PRIOR_RATIO_SD``.
+        Where work is hidden from the script a ratio of a few runs says little and the datasheet
+        decides; runs of known work agree closely and decide for themselves. A count change, or a
+        bundle without run counts, keeps the measured ratio."""
+        ratio, weight = measured
+        variance = self._rate_variance(fam)
+        if weight is None or variance is None or gpus != req_total or not req_type or gt.name == req_type:
+            return ratio
+        if variance * weight <= 0:
+            return ratio
+        speeds = self.config.gpu_types
+        prior = self._speed_exponent(sf, req_total, own=False) * math.log(
+            max(speeds[req_type].relative_speed, 1e-9) / max(gt.relative_speed, 1e-9))
+        w_measured, w_prior = 1.0 / (variance * weight), 1.0 / PRIOR_RATIO_SD ** 2
+        return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior)
+
+    def _rate_variance(self, fam: Mapping[str, Any]) -> float | None:
+        """The variance of one run's log speed about its shape's mean: the family's (``rate_ss`` over
+        ``rate_dof``) shrunk toward the site's pooled one by ``SITE_SPREAD_DOF``; None for a bundle
+        without these figures."""
+        if self.bundle not in _SITE_SPREADS:
+            fams = self.bundle.history.families.values()
+            ss = sum(float(f.get("rate_ss", 0.0)) for f in fams)
+            dof = sum(float(f.get("rate_dof", 0.0)) for f in fams)
+            _SITE_SPREADS[self.bundle] = ss / dof if dof > 0 else None
+        site = _SITE_SPREADS[self.bundle]
+        if site is None:
+            return None
+        return (float(fam.get("rate_ss", 0.0)) + SITE_SPREAD_DOF * site) / (float(fam.get("rate_dof", 0.0))
+                                                                              + SITE_SPREAD_DOF)
+
     @staticmethod
     def _measured_ratio(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[str | None, int],
-                        log_tokens: float) -> float | None:
+                        log_tokens: float) -> tuple[float, float | None] | None:
         """The family's measured log speed ratio (``rate:``, time per step and token) of SHAPE over the
         ASKED shape: at this job's batch where it ran both there, else the mean over the batches it
         ran on both (paired: each shape's mean over all its batches mixes which jobs ran where, and
         once made a V100 look 3.8 times faster than an A100 for a family whose large-batch runs went
-        to V100s); None where it never ran both at one batch."""
+        to V100s); None where it never ran both at one batch. With it, the variance of that figure
+        in units of one run's (the sum over the pairs of 1/runs on each side, over pairs squared),
+        None where the bundle counts no runs."""
         new, old = (RATE + rate_keys(gpus, gpu_type or "", log_tokens)[0] for gpu_type, gpus in (shape, asked))
-        if new in fam and old in fam:
-            return float(fam[new]) - float(fam[old])
-        new_at, old_at = new[:new.index("@") + 1], old[:old.index("@") + 1]
-        pairs = [float(v) - float(fam[old_at + k[len(new_at):]]) for k, v in fam.items()
-                 if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
-        return sum(pairs) / len(pairs) if pairs else None
 
-    def _speed_exponent(self, sf: Mapping[str, Any], gpus: int) -> float:
+        def runs(key: str) -> float | None:
+            n = fam.get(RATE_N + key[len(RATE):])
+            return float(n) if n else None
+
+        if new in fam and old in fam:
+            pairs = [(float(fam[new]) - float(fam[old]), runs(new), runs(old))]
+        else:
+            new_at, old_at = new[:new.index("@") + 1], old[:old.index("@") + 1]
+            pairs = [(float(v) - float(fam[old_at + k[len(new_at):]]), runs(k), runs(old_at + k[len(new_at):]))
+                     for k, v in fam.items() if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
+        if not pairs:
+            return None
+        ratio = sum(p for p, _, _ in pairs) / len(pairs)
+        if any(a is None or b is None for _, a, b in pairs):
+            return ratio, None
+        return ratio, sum(1 / a + 1 / b for _, a, b in pairs if a and b) / len(pairs) ** 2
+
+    def _speed_exponent(self, sf: Mapping[str, Any], gpus: int, own: bool = True) -> float:
         """How strongly the family's speed follows the datasheet: the least-squares slope of its
         measured log speed (``rate:`` per batch, at GPUS) on log relative speed, the log batch
         tokens a second regressor (which runs went to which card must not pass for the card's
         speed), shrunk towards its architecture's (the other sizes and commands of its model,
         pooled), itself shrunk towards the site's (``_site_exponent``), each by how little the
         types' speeds differ once the batch is accounted for: weighted means with that spread as
-        weight against ``SPEED_PRIOR``. In [0, 1]."""
+        weight against ``SPEED_PRIOR``. In [0, 1]. Not ``own``: without the family's own runs (the
+        prior its own measured ratios are weighed against must not be made of them)."""
         prior = self._site_exponent()
-        for groups in ([speed_points(self.config, fam, gpus) for fam in self.bundle.history.siblings(sf)],
-                       [speed_points(self.config, self.bundle.history.family(sf["family"]), gpus)]):
+        levels = [[speed_points(self.config, fam, gpus) for fam in self.bundle.history.siblings(sf)]]
+        if own:
+            levels.append([speed_points(self.config, self.bundle.history.family(sf["family"]), gpus)])
+        for groups in levels:
             spread, measured = speed_fit(groups)
             prior = (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
         return prior
