@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
@@ -46,39 +47,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "published"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from published import FIXTURES, gavel_config  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "decision.json"
 
-# Datasheet FP32 peak relative to the V100's 15.7 TFLOPS: K80 (one GK210 of the board) 4.4, P100
-# (SXM2) 10.6. Memory per GPU: 12, 16 and 16 GiB. One partition holds every type.
-CONFIG_TOML = """
-[site]
-cluster = "bench"
-[policy]
-decider = "model"
-objective = "fastest"
-min_history = 3
-[gpu_types.k80]
-memory_gib = 12
-relative_speed = 0.28
-cost = 1.0
-[gpu_types.p100]
-memory_gib = 16
-relative_speed = 0.68
-cost = 2.0
-[gpu_types.v100]
-memory_gib = 16
-relative_speed = 1.0
-cost = 3.0
-[partitions.gpu]
-gpu_types = ["k80", "p100", "v100"]
-gpus_per_node = 8
-nodes = 8
-default = true
-"""
-TYPES = ("k80", "p100", "v100")
-CARD_MIB = {"k80": 12 * 1024, "p100": 16 * 1024, "v100": 16 * 1024}
-DATASHEET = {"k80": 0.28, "p100": 0.68, "v100": 1.0}
+# Gavel's three types in one partition (tests/published.py), 8 GPUs a node for its 8-GPU jobs; the
+# rule's datasheet speeds and the cards' memory are the config's own.
+CONFIG_TOML = gavel_config(gpus_per_node=8, cluster="bench")
+_TYPES = tomllib.loads(CONFIG_TOML)["gpu_types"]
+TYPES = tuple(sorted(_TYPES))
+CARD_MIB = {t: v["memory_gib"] * 1024 for t, v in _TYPES.items()}
+DATASHEET = {t: v["relative_speed"] for t, v in _TYPES.items()}
+
 # The command each Gavel job runs (scheduler/job_table.py names the programs): the model stays in
 # the command (the decider's family key), the batch is an argument, the work is not.
 COMMANDS = {

@@ -20,6 +20,37 @@ COLUMNS = ("job_id", "user", "submit_time", "gpu_type", "gpu_count", "elapsed_s"
            "script")
 
 
+def gavel_config(gpus_per_node: int, cluster: str = "gavel") -> str:
+    """The admin config of a cluster of Gavel's three GPU types, one partition holding them all.
+    Datasheet FP32 peak (TFLOPS) relative to the V100's 15.7: K80 (one GK210 of the board) 4.4,
+    P100 (SXM2) 10.6. Memory per GPU: 12, 16 and 16 GiB."""
+    return f"""
+[site]
+cluster = "{cluster}"
+[policy]
+decider = "model"
+objective = "fastest"
+min_history = 3
+[gpu_types.k80]
+memory_gib = 12
+relative_speed = 0.28
+cost = 1.0
+[gpu_types.p100]
+memory_gib = 16
+relative_speed = 0.68
+cost = 2.0
+[gpu_types.v100]
+memory_gib = 16
+relative_speed = 1.0
+cost = 3.0
+[partitions.gpu]
+gpu_types = ["k80", "p100", "v100"]
+gpus_per_node = {gpus_per_node}
+nodes = 8
+default = true
+"""
+
+
 def memory_rows(source: str = "gpumemnet_timm") -> list[dict[str, str]]:
     """The source's measurements that pass its plausibility checks (``ok``), with an image size.
 

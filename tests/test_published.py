@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from published import FIXTURES, by_model, errors, history_csv, memory_rows, train_script
+from published import FIXTURES, by_model, errors, gavel_config, history_csv, memory_rows, train_script
 
 from slurmgpu.cli.main import main as cli
 from slurmgpu.history import db
@@ -31,34 +31,6 @@ from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# Datasheet FP32 peak (TFLOPS) relative to the V100's 15.7: K80 (one GK210 of the board) 4.4,
-# P100 (SXM2) 10.6. Memory per GPU: 12, 16 and 16 GiB.
-GAVEL_CONFIG = """
-[site]
-cluster = "gavel"
-[policy]
-decider = "model"
-objective = "fastest"
-min_history = 3
-[gpu_types.k80]
-memory_gib = 12
-relative_speed = 0.28
-cost = 1.0
-[gpu_types.p100]
-memory_gib = 16
-relative_speed = 0.68
-cost = 2.0
-[gpu_types.v100]
-memory_gib = 16
-relative_speed = 1.0
-cost = 3.0
-[partitions.gpu]
-gpu_types = ["k80", "p100", "v100"]
-gpus_per_node = 4
-nodes = 8
-default = true
-"""
 
 
 def _gavel() -> dict[tuple[str, str], dict[str, float]]:
@@ -95,7 +67,7 @@ def test_gavel_throughput_is_learned_per_family_not_read_off_the_datasheet(tmp_p
             out.writerow((f"{100 + i}", f"u{i % 5}", (t0 + timedelta(minutes=40 * i)).isoformat(), gpu, 1, elapsed,
                           "COMPLETED", script))
     config = tmp_path / "gavel.toml"
-    config.write_text(GAVEL_CONFIG)
+    config.write_text(gavel_config(gpus_per_node=4))
     url = f"sqlite:///{tmp_path / 'h.db'}"
     base = ["--config", str(config), "--db", url]
     runner = CliRunner()
