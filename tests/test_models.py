@@ -649,7 +649,8 @@ def test_a_measured_ratio_is_weighed_by_its_runs_spread_against_the_datasheet(tr
     decider = ModelDecider(config, bundle, lambda: {})
     measured = ModelDecider._measured_ratio(fam, ("v100", 1), ("a100", 1), math.log(64))
     assert measured == pytest.approx((-math.log(2), 2 / 3))
-    weighed = decider._weighed_ratio({"family": "fam"}, fam, measured, config.gpu_types["v100"], 1, "a100", 1)
+    weighed = decider._weighed_ratio(fam, measured, config.gpu_types["v100"], 1, "a100", 1,
+                                     lambda: decider._speed_exponent({"family": "fam"}, 1, own=False))
     speeds = config.gpu_types
     datasheet = decider._speed_exponent({"family": "fam"}, 1, own=False) * math.log(speeds["a100"].relative_speed /
                                                                           speeds["v100"].relative_speed)

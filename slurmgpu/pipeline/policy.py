@@ -7,6 +7,7 @@ and — when the request cannot be satisfied at all — why it is refused before
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import weakref
@@ -533,6 +534,8 @@ class ModelDecider:
         asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
                            if (gt.name, c) == (req_type, req_total)), None)
         exponent: float | None = None  # the family's speed slope at the asked count, once it is needed
+        # and the one without the family's own runs, the prior its measured ratios are weighed against
+        prior_exponent = functools.cache(lambda: self._speed_exponent(sf, req_total, own=False))
         table = []
         for (gt, c), pred in zip(shapes, preds, strict=True):
             known = f"{c}x{gt.name}" in seen
@@ -541,8 +544,8 @@ class ModelDecider:
             if asked_pred is not None and measured is not None:
                 # The family ran both shapes at one batch: its own measured speed ratio there,
                 # weighed against the datasheet's by how many runs it rests on and how widely they spread.
-                runtime = asked_pred.runtime_s * math.exp(self._weighed_ratio(sf, fam, measured, gt, c, req_type,
-                                                                               req_total))
+                runtime = asked_pred.runtime_s * math.exp(self._weighed_ratio(fam, measured, gt, c, req_type,
+                                                                               req_total, prior_exponent))
             elif known:
                 runtime = pred.runtime_s
             elif asked_pred is not None and c == req_total and req_type and \
@@ -577,10 +580,11 @@ class ModelDecider:
                      if busy <= c.gpus < req_total and c.gpu_type in full else c for c in table]
         return table
 
-    def _weighed_ratio(self, sf: Mapping[str, Any], fam: Mapping[str, Any], measured: tuple[float, float | None],
-                       gt: GpuType, gpus: int, req_type: str | None, req_total: int) -> float:
-        """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at the
-        family's speed exponent): precision-weighted, the measurement's variance the family's spread
+    def _weighed_ratio(self, fam: Mapping[str, Any], measured: tuple[float, float | None], gt: GpuType, gpus: int,
+                       req_type: str | None, req_total: int, exponent: Callable[[], float]) -> float:
+        """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at
+        ``exponent()``, the architecture's or site's speed exponent, never the family's own runs):
+        precision-weighted, the measurement's variance the family's spread
         of log speed (``_rate_variance``) over the runs on each side, the prior's ``PRIOR_RATIO_SD``.
         Where work is hidden from the script a ratio of a few runs says little and the datasheet
         decides; runs of known work agree closely and decide for themselves. A count change, or a
@@ -592,7 +596,7 @@ class ModelDecider:
         if variance * weight <= 0:
             return ratio
         speeds = self.config.gpu_types
-        prior = self._speed_exponent(sf, req_total, own=False) * math.log(
+        prior = exponent() * math.log(
             max(speeds[req_type].relative_speed, 1e-9) / max(gt.relative_speed, 1e-9))
         w_measured, w_prior = 1.0 / (variance * weight), 1.0 / PRIOR_RATIO_SD ** 2
         return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior)
