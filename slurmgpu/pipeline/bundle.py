@@ -195,10 +195,9 @@ def analytic_base_mib(f: Mapping[str, float]) -> float:
     optimizer state and gradients), activations linear in tokens, plus framework overhead.
     """
     params = f["params_b"] * 1e9
-    wbytes = 1.0 if f["int8"] else f["precision_bits"] / 8
-    trainable = params * (0.01 if f["lora"] else 1.0)
-    shards = max(f["gpus"], 1.0) if f["zero"] else 1.0
-    state = trainable * (wbytes + 12.0) / (shards if f["zero"] >= 1 else 1.0)
+    wbytes, state = _weight_bytes(f), _state_bytes(f)
+    if f["zero"] >= 1:
+        state /= max(f["gpus"], 1.0)
     act_per_token = 2e3 * math.sqrt(max(params, 1e6)) / 1e3 * (0.3 if f["ckpt"] else 1.0)
     activations = act_per_token * math.exp(f["log_tokens"]) * f["precision_bits"] / 8
     return (params * wbytes + state + activations) / 2**20 + 800.0
@@ -212,9 +211,18 @@ def zero_shift_mib(f: Mapping[str, float], gpus: float) -> float:
     per GPU on 8, where it peaks at 52-63 GiB, and its jobs were moved off 80 GiB cards."""
     if not f.get("zero") or gpus <= 1:
         return 0.0
-    wbytes = 1.0 if f.get("int8") else f.get("precision_bits", 32.0) / 8
-    trainable = f.get("params_b", 0.0) * 1e9 * (0.01 if f.get("lora") else 1.0)
-    return trainable * (wbytes + 12.0) / 2**20 * (1.0 - 1.0 / gpus)
+    return _state_bytes(f) / 2**20 * (1.0 - 1.0 / gpus)
+
+
+def _weight_bytes(f: Mapping[str, float]) -> float:
+    """Bytes per weight: int8, else by precision."""
+    return 1.0 if f.get("int8") else f.get("precision_bits", 32.0) / 8
+
+
+def _state_bytes(f: Mapping[str, float]) -> float:
+    """Gradients and Adam state of the trainable weights (LoRA trains ~1% of them), held whole: what
+    ZeRO shards over the GPUs."""
+    return f.get("params_b", 0.0) * 1e9 * (0.01 if f.get("lora") else 1.0) * (_weight_bytes(f) + 12.0)
 
 
 def family_base_mib(f: Mapping[str, float], fam: Mapping[str, float]) -> float | None:
