@@ -619,6 +619,36 @@ def test_a_job_moves_only_to_a_partition_that_admits_it(rules: Config) -> None:
     assert service.health()["partitions"] == {"read": False, "names": [], "error": "scontrol: not found"}
 
 
+def test_users_and_groups_are_looked_up_once_per_refresh_of_the_cluster_view(rules: Config,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A passwd or group lookup (NSS: files, LDAP) per decision cost more than the decision: a uid's
+    name and a user's groups are looked up once per refresh, with the partition rules that name
+    the groups, and a user's new group counts from the next refresh."""
+    from test_partitions import variant
+
+    groups, looked_up = {"ann": frozenset({"users"})}, []
+
+    def user_groups(user: str | None, uid: int | None) -> frozenset[str] | None:
+        looked_up.append((user, uid))
+        return groups.get(user or "")
+
+    monkeypatch.setattr(serve, "user_groups", user_groups)
+    monkeypatch.setattr(serve, "_uid_name", lambda uid: looked_up.append(uid) or {4242: "ann"}.get(uid))
+    service = serve.Service(rules, partitions=lambda: variant("gpu", AllowGroups="physics"))
+    service.refresh_free()
+    line = json.dumps({"op": "decide", "job": {"script": "#!/bin/bash\ntrue\n", "tres_per_node": "gres:gpu:v100:1",
+                                               "partition": "gpu-small", "user_id": 4242}}).encode()
+    hook = serve.Peer(1, 0, 0, trusted=True)
+    for _ in range(3):
+        assert service.handle(line, hook)["decision"]["apply"] == {}
+    assert looked_up == [4242, ("ann", 4242)]
+    groups["ann"] = frozenset({"users", "physics"})
+    assert service.handle(line, hook)["decision"]["apply"] == {}  # until the next refresh
+    service.refresh_free()
+    assert service.handle(line, hook)["decision"]["apply"] == {"partition": "gpu"}
+    assert looked_up == [4242, ("ann", 4242)] * 2
+
+
 def test_a_huge_or_stalled_client_does_not_stall_the_daemon(rules: Config, sock: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests over the limit get a one-line error; a client that stops mid-line holds only its

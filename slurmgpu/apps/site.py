@@ -9,7 +9,7 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
@@ -141,14 +141,16 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
 
 
 def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, user: str | None,
-                 uid: int | None) -> Admits:
+                 uid: int | None,
+                 groups_of: Callable[[str | None, int | None], frozenset[str] | None] | None = None) -> Admits:
     """Why Slurm would refuse a component in a partition (None: it would take it) for this user,
-    from ``scontrol show partition``'s RULES (None: they could not be read, for ERROR)."""
+    from ``scontrol show partition``'s RULES (None: they could not be read, for ERROR).
+    ``groups_of``: the user's groups (default: looked up now; the daemon caches them)."""
     import math
 
     from slurmgpu.slurm.partitions import JobAccess, nodelist_of, user_groups
 
-    groups = user_groups(user, uid) if rules is not None else None
+    groups = (groups_of or user_groups)(user, uid) if rules is not None else None
 
     def check(name: str, comp: ComponentRequest) -> str | None:
         if rules is None:
