@@ -211,6 +211,9 @@ class Scripted:
     def predict(self, f: Any, script: Any) -> Prediction:
         return self.predict_many([f], script)[0]
 
+    def peak_mib(self, f: Any, script: Any) -> float:
+        return self.predict(f, script).peak_mem_mib
+
 
 def assert_shown_finite(decision: Decision) -> None:
     for line in (*decision.reasons, decision.refusal or "", decision.unrunnable or ""):

@@ -109,6 +109,24 @@ def _predicted_peak(bundle: Bundle, config, text: str, gtype: str = "a100") -> f
     return bundle.predict(f, sf).peak_mem_mib
 
 
+def test_a_peak_alone_and_many_shapes_at_once_are_the_single_predictions(trained, config) -> None:
+    """``peak_mib`` (the memory trees alone) and ``predict_many`` (the daemon's one numpy pass over
+    every shape) give the floats ``predict`` gives one shape at a time."""
+    import numpy  # noqa: F401 - loaded: predict_many takes its vectorised path
+
+    from slurmgpu.pipeline.features import job_features
+
+    bundle = trained[0]
+    for family, batch in (("resnet", 64), ("bert", 8), ("llama", 32)):
+        sf = script_features(script_for(family, batch, 1000, "a100"))
+        rows = [job_features(sf, {"gpus_total": 2, "gpu_type": "v100"},
+                             {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus, bundle.history)
+                for gt in config.gpu_types.values() for gpus in (1, 2, 4)]
+        singles = [bundle.predict(f, sf) for f in rows]
+        assert bundle.predict_many(rows, sf) == singles
+        assert [bundle.peak_mib(f, sf) for f in rows] == [p.peak_mem_mib for p in singles]
+
+
 @pytest.mark.parametrize("batch", [128, 256])
 def test_larger_batches_than_ever_seen_stay_safe(trained, config, batch: int) -> None:
     bundle = trained[0]

@@ -20,7 +20,7 @@ from test_serve import sock  # noqa: F401 - fixture
 
 from slurmgpu.apps import serve
 from slurmgpu.apps.serve_workers import SharedCounts
-from slurmgpu.pipeline.bundle import TreeEnsemble
+from slurmgpu.pipeline.bundle import StackedTrees, TreeEnsemble
 from slurmgpu.pipeline.features import NUMERIC
 
 SAMPLE = Path(__file__).resolve().parent.parent / "contrib" / "slurmgpu.toml"
@@ -40,19 +40,45 @@ def reference(trees: TreeEnsemble, x: list[float]) -> float:
     return trees.scale * total + trees.bias
 
 
-@pytest.mark.parametrize("depth", [3, 6, 10])
-def test_fast_tree_evaluation_is_bit_identical(depth: int) -> None:
-    rnd = random.Random(depth)
-    borders = [rnd.uniform(-3, 3) for _ in range(40)]
+def random_trees(rnd: random.Random, depth: int, borders: list[float]) -> TreeEnsemble:
+    """300 oblivious trees of 1 to ``depth`` splits on the given borders."""
     data = {"trees": [{"splits": [[rnd.randrange(len(NUMERIC)), rnd.choice(borders)]
                                   for _ in range(rnd.randint(1, depth))]} for _ in range(300)],
             "scale": rnd.uniform(0.5, 2), "bias": rnd.uniform(-1, 1)}
     for tree in data["trees"]:
         tree["leaves"] = [rnd.uniform(-1, 1) for _ in range(1 << len(tree["splits"]))]
-    trees = TreeEnsemble(data)
-    for _ in range(500):  # values on the borders, between them, and NaN
-        x = [rnd.choice([rnd.choice(borders), rnd.uniform(-4, 4), float("nan")]) for _ in NUMERIC]
+    return TreeEnsemble(data)
+
+
+def random_row(rnd: random.Random, borders: list[float]) -> list[float]:
+    """Values on the borders, between them, and NaN."""
+    return [rnd.choice([rnd.choice(borders), rnd.uniform(-4, 4), float("nan")]) for _ in NUMERIC]
+
+
+@pytest.mark.parametrize("depth", [3, 6, 10])
+def test_fast_tree_evaluation_is_bit_identical(depth: int) -> None:
+    rnd = random.Random(depth)
+    borders = [rnd.uniform(-3, 3) for _ in range(40)]
+    trees = random_trees(rnd, depth, borders)
+    for _ in range(500):
+        x = random_row(rnd, borders)
         assert trees.predict(x) == reference(trees, x)
+
+
+@pytest.mark.parametrize("depth", [3, 6, 10])
+def test_ensembles_stacked_in_one_numpy_pass_are_bit_identical(depth: int) -> None:
+    """The daemon's evaluation (numpy loaded, several rows): ensembles of different depths in one
+    pass give each row the float the per-split reference gives, row by row."""
+    pytest.importorskip("numpy")
+    rnd = random.Random(depth)
+    borders = [rnd.uniform(-3, 3) for _ in range(40)]
+    ensembles = [random_trees(rnd, depth, borders), random_trees(rnd, 2, borders), random_trees(rnd, depth, borders)]
+    stacked = StackedTrees(ensembles)
+    for _ in range(60):
+        rows = [random_row(rnd, borders) for _ in range(rnd.randint(2, 30))]
+        for trees, got in zip(ensembles, stacked.predict_many(rows), strict=True):
+            assert got == [reference(trees, x) for x in rows]
+        assert ensembles[0].predict_many(rows) == [reference(ensembles[0], x) for x in rows]
 
 
 def test_a_worker_killed_holding_the_count_lock_does_not_stall_the_others() -> None:

@@ -337,7 +337,7 @@ def model_fits(config: Config, bundle: Any, engine: Engine, cluster: str) -> Cal
             asked = config.gpu_types.get(c.gpu_type)
             f = job_features(script, {**request, "req_gpu_mem_gib": asked.memory_gib if asked else 0.0}, gpu,
                              c.gpus, bundle.history)
-            peak = bundle.predict(f, script).peak_mem_mib
+            peak = bundle.peak_mib(f, script)
             return peak * (1 + config.policy.memory_margin) <= card.memory_gib * 1024
 
         return fits

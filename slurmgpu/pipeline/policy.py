@@ -737,8 +737,8 @@ class ModelDecider:
 
         def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:
             """Predicted peak and the margin its fit test uses (as in the table)."""
-            pred = self.bundle.predict(job_features(feats, req, gpu, gpus, self.bundle.history), feats)
-            return float(pred.peak_mem_mib), self._memory_margin(f"{gpus}x{gt.name}" in seen)
+            peak_mib = self.bundle.peak_mib(job_features(feats, req, gpu, gpus, self.bundle.history), feats)
+            return float(peak_mib), self._memory_margin(f"{gpus}x{gt.name}" in seen)
 
         batch = int(sf["batch_size"])
         words = main_command(command_lines(request.script.text if request.script else "")).split()
@@ -795,7 +795,7 @@ class ModelDecider:
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(comp.gpu_type)}
         feats = job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus,
                              self.bundle.history)
-        return float(self.bundle.predict(feats, sf).peak_mem_mib)
+        return float(self.bundle.peak_mib(feats, sf))
 
     def runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:
         """Whether the job may move to ``gpu_type`` at all (pipeline/hardware.py): a bf16 job never to
