@@ -119,6 +119,9 @@ def field_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), sort_keys=True))
 
 
+_SCALARS = frozenset({int, float, bool})  # exactly these types: stored as they are
+
+
 def storable(value: Any, items: int = 100, chars: int = 4096) -> Any:
     """``value`` as a database stores it, whatever the job said: a string that is not UTF-8 (a file or
     job name's bytes, read with surrogateescape) or holds NUL becomes ``{"base64": its bytes}``, the
@@ -126,6 +129,8 @@ def storable(value: Any, items: int = 100, chars: int = 4096) -> Any:
     a list or object longer than ``items`` keeps its first ones and ends with ``{"omitted": count}``
     (an object: key ``"omitted"``); a string longer than ``chars`` keeps its start and says how much
     was cut."""
+    if value is None or type(value) in _SCALARS:  # most of a decision record: the candidates' figures
+        return value
     if isinstance(value, str):
         if _unstorable(value):
             import base64  # rare (bytes that are not UTF-8): gsbatch's start-up does not pay for it
