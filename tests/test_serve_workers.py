@@ -111,6 +111,33 @@ def test_a_worker_killed_holding_the_count_lock_does_not_stall_the_others() -> N
     assert shared.view(1)[1000] == 1
 
 
+def test_shared_counts_across_workers_reused_slots_and_a_dead_worker() -> None:
+    """Totals kept per worker row and uids' slots remembered per process stay what counting every
+    slot says: through slots freed and taken by another uid, from two processes' views, and after
+    a dead worker's row is cleared."""
+    shared = SharedCounts(rows=3, slots=4)
+    mine, other = shared.view(0), shared.view(1)
+
+    def counted() -> dict[int, int]:
+        return {uid - 1: shared.of(slot) for slot, uid in enumerate(shared.uids[:]) if uid}
+
+    with shared.lock:
+        mine.add(1000, 2)
+        other.add(1000, 1)
+        other.add(2000, 1)
+    assert counted() == {1000: 3, 2000: 1} and mine.total() == other.total() == 4
+    with shared.lock:
+        mine.add(1000, -2)
+        other.add(1000, -1)  # 1000's slot is free now ...
+        other.add(3000, 1)  # ... and taken by 3000, where this process last found 1000
+    assert mine[1000] == 0 and mine[3000] == 1 and counted() == {2000: 1, 3000: 1}
+    with shared.lock:
+        mine.add(1000, 1)
+    assert mine[1000] == 1 and counted() == {1000: 1, 2000: 1, 3000: 1} and mine.total() == 3
+    shared.clear(1)  # worker 1 died
+    assert counted() == {1000: 1} and mine.total() == 1 and other[2000] == 0
+
+
 def workers_of(pid: int) -> set[int]:
     return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
 
