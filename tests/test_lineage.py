@@ -187,6 +187,22 @@ def _forge_lua_record(directory: str) -> str:
     return os.path.basename(spool.write_record(directory, record(None, source="lua", user="root", uid=0)))
 
 
+def test_the_daemon_writes_queued_records_with_one_directory_fsync_per_batch(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each record file is fsync'd before its rename; the spool directory once for all the records
+    the writer found queued, so the writer keeps up with the daemon."""
+    synced: list[str] = []
+    monkeypatch.setattr(serve, "sync_dir", synced.append)
+    records = serve.DecisionRecords(str(tmp_path), "c")
+    for n in range(5):
+        records.pending.put_nowait(lambda n=n: spool.new_record(job_id=str(n)))
+    records.pending.put_nowait(lambda: {"no": "record id"})  # fails: counted, the others still written
+    records._start()
+    assert records.flush()
+    assert sorted(json.loads(p.read_text())["job_id"] for p in tmp_path.glob("sub-*.json")) == list("01234")
+    assert (records.written, records.failed, synced) == (5, 1, [str(tmp_path)])
+
+
 def test_only_the_daemons_account_may_write_the_hooks_records(accounts: None, tmp_path: Path) -> None:  # noqa: F811
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)

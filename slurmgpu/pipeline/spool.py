@@ -43,10 +43,11 @@ def submission_spool(configured: str | None, env: Mapping[str, str]) -> str:
                               or os.path.join(PERSONAL_SPOOL, "submissions"))
 
 
-def atomic_write(path: str, data: bytes, mode: int) -> None:
+def atomic_write(path: str, data: bytes, mode: int, sync_directory: bool = True) -> None:
     """Readers see no file or the whole file: temp file in the same directory, fsync, rename.
 
     The temp name starts with a dot so a ``*.json`` glob never picks it up; on any failure it is removed.
+    ``sync_directory`` False: the caller makes the rename durable (``sync_dir``), once for several files.
     """
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
@@ -65,7 +66,13 @@ def atomic_write(path: str, data: bytes, mode: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # make the rename durable; the file is complete either way
+    if sync_directory:
+        sync_dir(directory)
+
+
+def sync_dir(directory: str) -> None:
+    """Make the renames into DIRECTORY durable (the files are complete either way)."""
+    with contextlib.suppress(OSError):
         dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -182,7 +189,7 @@ def _key(key: Any, chars: int) -> str:
     return text[:chars]
 
 
-def write_record(directory: str, record: Mapping[str, Any]) -> str:
+def write_record(directory: str, record: Mapping[str, Any], sync_directory: bool = True) -> str:
     """Write one submission record atomically, readable by its owner (and, in a setgid spool, by the
     spool's group); returns its path. The free-form fields are made storable and cut to fit
     (``fitted``), so the ingest stores every record of a job sbatch took. A record the ingest would
@@ -193,7 +200,7 @@ def write_record(directory: str, record: Mapping[str, Any]) -> str:
     data = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
     if len(data) > MAX_RECORD_BYTES and record.get("script_text") is not None:
         data = json.dumps({**record, "script_text": None}, separators=(",", ":"), sort_keys=True).encode()
-    atomic_write(path, data, record_mode(directory))
+    atomic_write(path, data, record_mode(directory), sync_directory)
     return path
 
 
