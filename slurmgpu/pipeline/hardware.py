@@ -12,6 +12,7 @@ none on 7.0 (V100), 7.5 (T4, RTX 20xx), 6.x (P100, P40) and 3.7 (K80) — the sa
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ _BF16 = {
 _ORDER = sorted(_BF16, key=len, reverse=True)
 
 
+@functools.lru_cache(maxsize=1024)  # the daemon asks per candidate type and request: 36 searches each time
 def supports_bf16(gpu_type: str) -> bool | None:
     """True or False for a known NVIDIA architecture in the type's name; None when unknown."""
     name = gpu_type.lower()
