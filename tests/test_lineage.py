@@ -182,6 +182,23 @@ def test_gsbatch_drops_a_text_too_large_for_its_record(tmp_path: Path) -> None:
     assert spool.script_text(b"#!/bin/bash\n\xff\n") is None  # not UTF-8: no text, the hash only
 
 
+def test_a_record_is_written_as_its_fields_fitted_one_by_one(tmp_path: Path) -> None:
+    """A record small enough whole is dumped once, and reads as the record with each free field
+    fitted on its own (``spool.fitted``): small, with a large script, with a field over its limit,
+    with too many items, and with a name that is not UTF-8."""
+    def each_fitted(rec: dict[str, Any]) -> dict[str, Any]:
+        rec = {**rec, **{k: spool.fitted(rec[k]) for k in spool.FREE_FIELDS if k in rec}}
+        return json.loads(json.dumps(rec, separators=(",", ":"), sort_keys=True))
+
+    long_reason = "x" * 5000
+    cases = [record(None), record(None, "#!/bin/bash\n" + "echo step\n" * 20_000),
+             record(None, decision={"decider": "model", "reasons": [long_reason] * 30, "per_type": list(range(300))}),
+             record(None, features={"script": None, "job": {f"k{n}": n for n in range(150)}}),
+             record(None, features={"script": None, "script_name": "caf\udce9.sh"})]
+    for rec in cases:
+        assert json.loads(Path(spool.write_record(str(tmp_path), rec)).read_bytes()) == each_fitted(rec)
+
+
 def _forge_lua_record(directory: str) -> str:
     """An ordinary user poses as the daemon: a "lua" record naming root as the job's user."""
     return os.path.basename(spool.write_record(directory, record(None, source="lua", user="root", uid=0)))

@@ -196,10 +196,15 @@ def write_record(directory: str, record: Mapping[str, Any], sync_directory: bool
     still find too large goes without its script text (JSON escapes can make a text of
     MAX_SCRIPT_BYTES larger than the file limit)."""
     path = os.path.join(directory, f"sub-{record['record_id']}.json")
-    record = {**record, **{k: fitted(record[k]) for k in FREE_FIELDS if k in record}}
-    data = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
-    if len(data) > MAX_RECORD_BYTES and record.get("script_text") is not None:
-        data = json.dumps({**record, "script_text": None}, separators=(",", ":"), sort_keys=True).encode()
+    # A record within MAX_FIELD_BYTES whole has every field within it (each field's JSON is part of the
+    # record's): ``fitted`` would return each as ``storable`` does, so the record is dumped once.
+    data = json.dumps({**record, **{k: storable(record[k]) for k in FREE_FIELDS if k in record}},
+                      separators=(",", ":"), sort_keys=True).encode()
+    if len(data) > MAX_FIELD_BYTES:
+        record = {**record, **{k: fitted(record[k]) for k in FREE_FIELDS if k in record}}
+        data = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+        if len(data) > MAX_RECORD_BYTES and record.get("script_text") is not None:
+            data = json.dumps({**record, "script_text": None}, separators=(",", ":"), sort_keys=True).encode()
     atomic_write(path, data, record_mode(directory), sync_directory)
     return path
 
