@@ -20,8 +20,10 @@ from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
 from slurmgpu.pipeline.config import load_config
 from slurmgpu.pipeline.features import job_features, model_size_b, script_features
-from slurmgpu.pipeline.policy import KeepDecider, ModelDecider, speed_fit, speed_points
+from slurmgpu.pipeline.memory_bound import UNSEEN_PENALTY
+from slurmgpu.pipeline.policy import KeepDecider, ModelDecider
 from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.runtime_estimate import RuntimeEstimate, measured_ratio, speed_fit, speed_points
 from slurmgpu.pipeline.script import parse_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -419,7 +421,7 @@ def test_the_table_shows_each_peak_as_predicted_and_the_margin_its_fit_test_used
                           or (held is not None and held <= config.gpu_types[c.gpu_type].memory_gib))
         seen = f"{c.gpus}x{c.gpu_type}" in shapes or (c.gpu_type, c.gpus) == ("v100", 2)
         assert math.isclose(c.margin, config.policy.memory_margin if seen else
-                            (1 + config.policy.memory_margin) * ModelDecider.unseen_penalty - 1)
+                            (1 + config.policy.memory_margin) * UNSEEN_PENALTY - 1)
         assert any(r.split()[2:6] == [c.gpu_type, str(c.gpus), "yes" if c.fits else "no",
                                       f"{c.pred_peak_mem_mib / 1024:.1f}"] and f"{c.margin:.0%}" in r for r in rows)
 
@@ -641,7 +643,7 @@ def test_a_familys_speed_ratio_between_two_types_is_measured_at_one_batch(traine
     """Its V100 runs were all large batches (fast per token), its A100 runs small ones: the
     shapes' means over all batches would call the V100 faster; only a batch run on both counts."""
     fam = {"rate:1xv100": -12.0, "rate:1xv100@4096": -12.0, "rate:1xa100": -9.0, "rate:1xa100@64": -9.0}
-    ratio = ModelDecider._measured_ratio
+    ratio = measured_ratio
     assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) is None
     fam = {**fam, "rate:1xa100@4096": -12.5, "rate:1xv100@64": -8.2}
     assert ratio(fam, ("v100", 1), ("a100", 1), math.log(64)) == pytest.approx((0.8, None))  # at the job's batch
@@ -664,13 +666,13 @@ def test_a_measured_ratio_is_weighed_by_its_runs_spread_against_the_datasheet(tr
     others = {f"f{i}": {"rate:1xa100@8": -speed["a100"], "rate:1xv100@8": -speed["v100"], "rate_ss": 4 * sd ** 2,
                         "rate_dof": 4.0} for i in range(3)}  # the site's runs follow the datasheet
     bundle = Bundle({**trained[0].data, "history": {"families": {"fam": fam, **others}, "archs": {}}})
-    decider = ModelDecider(config, bundle, lambda: {})
-    measured = ModelDecider._measured_ratio(fam, ("v100", 1), ("a100", 1), math.log(64))
+    estimate = RuntimeEstimate(config, bundle)
+    measured = measured_ratio(fam, ("v100", 1), ("a100", 1), math.log(64))
     assert measured == pytest.approx((-math.log(2), 2 / 3))
-    weighed = decider._weighed_ratio(fam, measured, config.gpu_types["v100"], 1, "a100", 1,
-                                     lambda: decider._speed_exponent({"family": "fam"}, 1, own=False))
+    weighed = estimate.weighed_ratio(fam, measured, config.gpu_types["v100"], 1, "a100", 1,
+                                     lambda: estimate.speed_exponent({"family": "fam"}, 1, own=False))
     speeds = config.gpu_types
-    datasheet = decider._speed_exponent({"family": "fam"}, 1, own=False) * math.log(speeds["a100"].relative_speed /
+    datasheet = estimate.speed_exponent({"family": "fam"}, 1, own=False) * math.log(speeds["a100"].relative_speed /
                                                                           speeds["v100"].relative_speed)
     assert datasheet > 0 > measured[0]  # the V100 slower on paper, faster as measured
     target, other = (datasheet, measured[0]) if near == "datasheet" else (measured[0], datasheet)
@@ -695,17 +697,17 @@ def test_a_familys_speed_slope_holds_its_batches_apart_and_leans_on_the_sites(tr
     site = Bundle({**trained[0].data, "history": {"families": {
         "f1": family(0.5, {"a100": (8, 64), "v100": (8, 64), "t4": (8,)}),
         "f2": family(0.5, {"a100": (16,), "t4": (16, 32)}), "one": family(1.0, {"a100": (8, 16)})}, "archs": {}}})
-    decider = ModelDecider(config, site, lambda: {})
-    assert decider._site_exponent() == pytest.approx(0.5)
-    assert decider._speed_exponent({"family": "one"}, 1) == pytest.approx(0.5)
+    estimate = RuntimeEstimate(config, site)
+    assert estimate.site_exponent() == pytest.approx(0.5)
+    assert estimate.speed_exponent({"family": "one"}, 1) == pytest.approx(0.5)
     # Another size of its model ran on several types: the architecture's slope comes first.
     arch = Bundle({**site.data, "history": {"families": {
         **site.data["history"]["families"], "net50": family(0.9, {"a100": (8, 64), "v100": (8, 64)})},
         "archs": {"net?": ["net50", "one"]}}})
-    leaning = ModelDecider(config, arch, lambda: {})._speed_exponent({"family": "one", "arch": "net?"}, 1)
-    assert abs(leaning - 0.9) < abs(ModelDecider(config, arch, lambda: {})._site_exponent() - 0.9) - 0.1, leaning
-    assert ModelDecider(config, Bundle({**trained[0].data, "history": {"families": {}, "archs": {}}}),
-                        lambda: {})._site_exponent() == 1.0
+    leaning = RuntimeEstimate(config, arch).speed_exponent({"family": "one", "arch": "net?"}, 1)
+    assert abs(leaning - 0.9) < abs(RuntimeEstimate(config, arch).site_exponent() - 0.9) - 0.1, leaning
+    assert RuntimeEstimate(config, Bundle({**trained[0].data, "history": {"families": {}, "archs": {}}})
+                           ).site_exponent() == 1.0
 
 
 def test_a_count_is_trimmed_only_on_the_familys_own_busy_gpus(config) -> None:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from slurmgpu.pipeline.policy import Candidate, ModelDecider
+from slurmgpu.pipeline.candidates import Candidate, clear_gain, in_time_limit
 from slurmgpu.simulation import load, scenario
 from slurmgpu.simulation.simulator import SimResult
 from slurmgpu.simulation.workload import LARGE_CLUSTER
@@ -92,24 +92,23 @@ def test_cli_refuses_bad_loads_in_one_line(tmp_path: Path, args: list[str], mess
     assert not (tmp_path / "out").exists()
 
 
-def _decider(limit_spread: float = 0.0) -> ModelDecider:
-    config = scenario.scenario_config(LARGE_CLUSTER)
-    return ModelDecider(config, SimpleNamespace(runtime_spread=limit_spread), lambda: {})
-
-
 def test_a_move_to_a_slower_card_whose_upper_runtime_passes_the_limit_is_not_taken() -> None:
-    decider = _decider()
+    config = scenario.scenario_config(LARGE_CLUSTER)
+
+    def in_time(c: Candidate, baseline: Candidate, limit_s: int) -> bool:
+        return in_time_limit(config, SimpleNamespace(runtime_spread=0.0), c, baseline, limit_s)
+
     asked = Candidate("a100_80g", 1, True, 20_000, 3 * 3600, 10 * 3600)
     # a T4 is slower on the datasheet; the model's median says 3.5 h, its 95th percentile 1.5x that
     slow = Candidate("t4", 1, True, 12_000, 3.5 * 3600, 0.0, runtime_margin=1.5)
-    assert not decider._in_time(slow, asked, 4 * 3600)
-    assert decider._in_time(slow, asked, 6 * 3600)
+    assert not in_time(slow, asked, 4 * 3600)
+    assert in_time(slow, asked, 6 * 3600)
     # predicted no slower than as asked, but slower on the datasheet: the upper runtime still counts
-    assert not decider._in_time(slow._replace(pred_runtime_s=2.9 * 3600), asked, 4 * 3600)
+    assert not in_time(slow._replace(pred_runtime_s=2.9 * 3600), asked, 4 * 3600)
     # a faster card shares the job's own uncertainty with the request
     fast = Candidate("h100", 1, True, 20_000, 2.5 * 3600, 0.0, runtime_margin=1.7)
-    assert decider._in_time(fast, asked, 4 * 3600)
+    assert in_time(fast, asked, 4 * 3600)
     # within the limit, but finishing sooner than as asked only at its median: the request stands
     near = slow._replace(expected_wait_s=8 * 3600)
-    assert decider._in_time(near, asked, 24 * 3600) and not decider._clear_gain(near, asked)
-    assert decider._clear_gain(slow, asked) and decider._clear_gain(fast, asked)
+    assert in_time(near, asked, 24 * 3600) and not clear_gain(config, near, asked)
+    assert clear_gain(config, slow, asked) and clear_gain(config, fast, asked)

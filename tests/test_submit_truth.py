@@ -326,7 +326,7 @@ def test_no_warning_where_the_job_goes_to_a_card_it_fits(tmp_path: Path) -> None
 
 def test_a_fit_on_past_runs_says_so_and_never_reads_as_a_predicted_fit() -> None:
     """The hint said 'batch size 256 would fit 1 x a100 (predicted peak 95.4 GiB of 80 GiB)'."""
-    from slurmgpu.pipeline.policy import fit_evidence
+    from slurmgpu.pipeline.memory_bound import fit_evidence
 
     assert fit_evidence(28.2 * 1024, 0.1, 32) == "predicted peak 28.2 GiB of 32 GiB"
     words = fit_evidence(95.4 * 1024, 0.1, 80)

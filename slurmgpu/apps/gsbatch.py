@@ -146,7 +146,7 @@ def _fault(exc: BaseException) -> str:
 def explain_text(request: "JobRequest", decision: "Decision", memory_gib: Mapping[str, float] | None = None) -> str:
     """The decision in lines; in the table a fit that rests on the family's past runs rather than
     the prediction (its peak is above the card: ``memory_gib``) reads ``runs``, not ``yes``."""
-    from slurmgpu.pipeline.policy import by_prediction
+    from slurmgpu.pipeline.memory_bound import by_prediction
     from slurmgpu.pipeline.rewrite import describe
 
     def fits(c: Any) -> str:

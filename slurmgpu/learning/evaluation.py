@@ -173,8 +173,8 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobReques
     gpu = decider.config.gpu_types.get(asked[0])
     req = {**request.to_json(), "gpu_type": asked[0], "gpus_total": asked[1],
            "req_gpu_mem_gib": gpu.memory_gib if gpu else 0.0}
-    table: list[Candidate] = decider.candidates(sf, req, [(decider.config.gpu_types[t], asked[1]) for t in types],
-                                                asked[1], {})
+    table: list[Candidate] = decider.candidates.build(sf, req, [(decider.config.gpu_types[t], asked[1]) for t in types],
+                                                     asked[1], {})
     best = min(measured.values())  # log seconds per unit of work: the smallest is the fastest
 
     def relative(t: str) -> float | None:

@@ -7,21 +7,30 @@ and — when the request cannot be satisfied at all — why it is refused before
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
+from slurmgpu.pipeline.candidates import (
+    Candidate,
+    CandidateTable,
+    clear_gain,
+    fewest_fitting,
+    finite,
+    in_time_limit,
+    score,
+    usable,
+)
 from slurmgpu.pipeline.capacity import Capacity, need_of
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import RATE, RATE_N, busy_bound, log_size, rate_keys, util_bound
+from slurmgpu.pipeline.features import busy_bound, util_bound
 from slurmgpu.pipeline.hardware import supports_bf16
+from slurmgpu.pipeline.memory_bound import borderline
 from slurmgpu.pipeline.queue import Waits
-from slurmgpu.pipeline.request import ComponentRequest, JobRequest, array_tasks
+from slurmgpu.pipeline.request import ComponentRequest, JobRequest
 
-# What the gain in a reason measures, by objective (ModelDecider._score): a percentage shown next
+# What the gain in a reason measures, by objective (pipeline/candidates.py score): a percentage shown next
 # to two finish times must not read as their ratio when the cost weighs in too.
 GAIN_WORDS = {"fastest": "sooner", "cheapest": "cheaper in GPU cost",
               "balanced": "better, time to result and GPU cost weighed equally"}
@@ -34,22 +43,6 @@ class ComponentChange(NamedTuple):
     gpu_type: str | None = None
     gpus_total: int | None = None
     partition: str | None = None
-
-
-class Candidate(NamedTuple):
-    """One GPU type and count the model weighed, with its numbers (for --explain and predict)."""
-
-    gpu_type: str
-    gpus: int
-    fits: bool
-    pred_peak_mem_mib: float
-    pred_runtime_s: float
-    expected_wait_s: float
-    margin: float = 0.0  # the fit test: pred_peak_mem_mib * (1 + margin) within the card
-    # The time-limit test of a move (pipeline/policy.py ModelDecider._in_time): pred_runtime_s times
-    # this, or the bundle's one margin if larger, within the limit. The bundle's 95th-percentile run
-    # time of the job on this shape over its median: wider where jobs like it run less predictably.
-    runtime_margin: float = 1.0
 
 
 class Decision(NamedTuple):
@@ -86,21 +79,10 @@ KEEP = Decision()
 # The rules' reason when they change nothing; not repeated beside a change the model makes (one
 # reason per change).
 FITS_AS_ASKED = "the request fits the partition it asks for"
-# The datasheet's weight against a family's measured speed slope, in squared log speed: a family
-# measured on two cards 1.6x apart (a V100 and an A10, say) counts as much as the datasheet.
-SPEED_PRIOR = 0.1
 # A script that talks between GPUs or processes: never moved to a MIG slice (an instance is one
 # device to one process; NCCL has no peer-to-peer or NVLink between instances).
 _DISTRIBUTED = re.compile(r"NCCL|torch\.distributed|init_process_group|DistributedDataParallel|deepspeed|horovod"
                           r"|\bmpirun\b|\bmpiexec\b|--multi[_-]gpu", re.IGNORECASE)
-# Per bundle: the site's pooled speed slope, by the datasheet speeds it was computed with.
-# How far the datasheet's speed ratio of two types (to the family's exponent) may be off for a job, as
-# a log standard deviation: the prior a family's own measured ratio is weighed against.
-PRIOR_RATIO_SD = 0.3
-# Degrees of freedom the site's spread of log speed counts for when a family's own is estimated.
-SITE_SPREAD_DOF = 5.0
-_SITE_SPREADS: weakref.WeakKeyDictionary[Any, float | None] = weakref.WeakKeyDictionary()
-_SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...], float]] = weakref.WeakKeyDictionary()
 
 
 # Whether Slurm would take this component in that partition: None when it would, else why not.
@@ -286,19 +268,18 @@ class ModelDecider:
     """
 
     name = "model"
-    busy_wait_s = 1800.0  # assumed wait when a type has too few idle GPUs right now
-    unseen_penalty = 1.6  # memory and runtime on a type or count the job family has never run on
 
     def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
                  user: str | None = None, admits: Admits | None = None,
                  wait: Waits | None = None, capacity: Capacity | None = None) -> None:
         """``wait(type, gpus, ...)``: expected seconds until that many GPUs of the type start the job
         (an array's tasks: their mean), from the queue (pipeline/queue.py); without it, idle GPUs now
-        or ``busy_wait_s``. ``capacity``: the live nodes, which keep a type, count or partition they
-        cannot start out of the candidates."""
+        or an assumed wait (pipeline/candidates.py). ``capacity``: the live nodes, which keep a type,
+        count or partition they cannot start out of the candidates."""
         self.config, self.bundle, self.free_gpus, self.user, self.admits = config, bundle, free_gpus, user, admits
-        self.wait = wait
         self.rules = RuleDecider(config, admits, capacity)
+        # the figures of each shape the job may run on: runtime, memory fit, wait
+        self.candidates = CandidateTable(config, bundle, wait)
 
     def _keep(self, rule: Decision, why: str, per_type: tuple[Candidate, ...] = (), hint: str = "") -> Decision:
         """The rules' decision, with the model's reason WHY for adding nothing to it: "request kept"
@@ -338,7 +319,7 @@ class ModelDecider:
         # Or as far as the family's own runs on the asked count kept GPUs busy: the rest sat idle.
         busy = self._busy(sf, req_total) if need is None else None
         fewest = (busy[0] if busy else need) or req_total
-        free = self.free_gpus() if self.wait is None else {}
+        free = self.free_gpus() if self.candidates.wait is None else {}
         req = {**request.to_json(), "req_gpu_mem_gib": self._mem_gib(req_type)}
         shapes: list[tuple[GpuType, int]] = []
         slices = self._slice_evidence(request, sf, offered, need)
@@ -355,14 +336,14 @@ class ModelDecider:
                 shapes.extend((self.config.gpu_types[gtype], c) for c in counts
                               if c % comp.multiplier(comp.gpus[0].per) == 0
                               and self.rules.cannot_start(part.name, gtype, comp, c) is None)
-        seen = self._seen(sf["family"], req_type, req_total)
-        table = self.candidates(sf, req, shapes, min(fewest, req_total), free, busy[0] if busy else None)
+        seen = self.candidates.seen(sf["family"], req_type, req_total)
+        table = self.candidates.build(sf, req, shapes, min(fewest, req_total), free, busy[0] if busy else None)
         if slices:
-            table = self._on_slices(table, slices, req_type)
+            table = self.candidates.on_slices(table, slices, req_type)
         # A row without a finite wait, runtime or peak has no finish time to compare: never a move (an
         # infinite wait: no node that large, or no end in sight), and a request whose own row it is stays.
-        unbounded = [c for c in table if not _finite(c)]
-        table = [c for c in table if _finite(c)]
+        unbounded = [c for c in table if not finite(c)]
+        table = [c for c in table if finite(c)]
         per_type = tuple(table)
         new_family = fam_n < policy.min_history
 
@@ -399,21 +380,26 @@ class ModelDecider:
                 and self.config.gpu_types[c.gpu_type].memory_gib >= asked_gt.memory_gib
                 and self.config.gpu_types[c.gpu_type].relative_speed >= asked_gt.relative_speed]
         else:
-            enough = [self._enough(c, table) for c in table if c.fits and c.gpus == req_total]
+            enough = [fewest_fitting(self.config, c, table) for c in table if c.fits and c.gpus == req_total]
         in_time = [c for c in enough if c is not None and home(c) is not None
-                   and self._in_time(c, baseline, comp.time_limit_s)]
+                   and in_time_limit(self.config, self.bundle, c, baseline, comp.time_limit_s)]
+
+        def rank(c: Candidate) -> float:
+            """The candidate's score against the request as asked (lower is better)."""
+            return score(self.config, c, baseline)
+
         # a choice whose score is unbounded (cheapest: too slow to count) gains nothing
-        choices = [c for c in in_time if self._clear_gain(c, baseline) and math.isfinite(self._score(c, baseline))]
-        risky = min((c for c in in_time if c not in choices), key=lambda c: self._score(c, baseline), default=None)
-        best = min(choices, key=lambda c: self._score(c, baseline), default=None)
-        gain = 1.0 - self._score(best, baseline) / self._score(baseline, baseline) if best is not None else 0.0
+        choices = [c for c in in_time if clear_gain(self.config, c, baseline) and math.isfinite(rank(c))]
+        risky = min((c for c in in_time if c not in choices), key=rank, default=None)
+        best = min(choices, key=rank, default=None)
+        gain = 1.0 - rank(best) / rank(baseline) if best is not None else 0.0
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
         if new_family:
             if best is None or gain < policy.min_gain:
                 return self._keep(rule, too_new, per_type)
         else:
-            hint = self._fit_hint(request, sf, req, baseline, table, seen, offered) if not baseline.fits \
-                else _borderline(baseline, self.config.gpu_types[baseline.gpu_type])
+            hint = self.candidates.memory.fit_hint(request, sf, req, baseline, table, seen, offered) \
+                if not baseline.fits else borderline(baseline, self.config.gpu_types[baseline.gpu_type])
             if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
                 gain = 1.0
         freed = None  # GPUs the family's runs left idle, given back where the job finishes no later
@@ -425,7 +411,7 @@ class ModelDecider:
                         default=None)
             best = freed or best
         if risky is not None and freed is None and \
-                1.0 - self._score(risky, baseline) / self._score(baseline, baseline) >= policy.min_gain and (
+                1.0 - rank(risky) / rank(baseline) >= policy.min_gain and (
                 best is None or gain < policy.min_gain or (best.gpu_type, best.gpus) == (baseline.gpu_type,
                                                                                           baseline.gpus)):
             # The move the prediction's error vetoed is why the request stands: say so, not "best".
@@ -460,10 +446,11 @@ class ModelDecider:
         elif not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type}: "
-                   f"{self._fit_words(best, sf, req_total)} ({best.margin:.0%} margin){hint}")
+                   f"{self.candidates.memory.fit_words(best, sf, req_total)} ({best.margin:.0%} margin){hint}")
         else:
             why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} {finish}, "
-                   f"{self._fit_words(best, sf, req_total)}{_borderline(best, self.config.gpu_types[best.gpu_type])}")
+                   f"{self.candidates.memory.fit_words(best, sf, req_total)}"
+                   f"{borderline(best, self.config.gpu_types[best.gpu_type])}")
         if busy and best.gpus < req_total:
             why += f"; this family's {busy[1]} runs on {req_total} GPUs kept at most {busy[0]} busy"
         if best.gpu_type in slices:
@@ -480,7 +467,7 @@ class ModelDecider:
         kept it busy no more of the time than the slice's share of that card's speed: a kernel
         running ``u`` of the time on a card of speed ``s`` runs at most ``u * s / slice speed`` of
         the time on the slice, so the job's wall time stays that of the card. The memory test is
-        the table's, on the prediction alone (``_on_slices``)."""
+        the table's, on the prediction alone (pipeline/candidates.py ``CandidateTable.on_slices``)."""
         comp, types = request.main, self.config.gpu_types
         slice_types = [t for p in offered for t in p.gpu_types if types[t].is_slice]
         asked = types.get(comp.gpu_type or "")
@@ -497,186 +484,10 @@ class ModelDecider:
                     f"{asked.relative_speed:g}) kept it at most {bound[0]:.0f}% busy, {share:.3g} of speed 1")
                 for t in dict.fromkeys(slice_types) if share <= types[t].relative_speed}
 
-    def _on_slices(self, table: list[Candidate], slices: Mapping[str, str], req_type: str | None) -> list[Candidate]:
-        """A slice row runs as long as the job runs as asked (the utilisation evidence says its
-        compute fits; ``_slice_evidence``) and fits only by its predicted peak with the margin: no
-        outcome on a whole card says anything of a slice's memory."""
-        asked = next((c for c in table if c.gpu_type == req_type and c.gpus == 1), None)
-        if asked is None:
-            return [c for c in table if c.gpu_type not in slices]
-        return [c._replace(pred_runtime_s=asked.pred_runtime_s, runtime_margin=asked.runtime_margin,
-                           fits=by_prediction(c.pred_peak_mem_mib, c.margin,
-                                              self.config.gpu_types[c.gpu_type].memory_gib))
-                if c.gpu_type in slices else c for c in table]
-
     @staticmethod
     def _rule_reasons(rule: Decision) -> tuple[str, ...]:
         """The rules' reasons that go with a change the model makes: their own changes' reasons."""
         return tuple(r for r in rule.reasons if r != FITS_AS_ASKED)
-
-    def candidates(self, sf: Mapping[str, Any], req: Mapping[str, Any], shapes: list[tuple[GpuType, int]],
-                   used: int, free: Mapping[str, int], busy: int | None = None) -> list[Candidate]:
-        """The table: predicted peak, runtime and wait of the job (script features ``sf``, normalised
-        request ``req``) on each shape, and whether it fits. ``used``: the fewest GPUs the launch uses;
-        ``busy``: the most GPUs the family's runs on the asked count kept busy, if the decider trims
-        on that evidence (from ``busy`` GPUs up, a type's row is its row at the asked count: the
-        job uses the same GPUs the same way, only its wait differs)."""
-        from slurmgpu.pipeline.features import job_features
-
-        req_type, req_total = req.get("gpu_type"), int(req.get("gpus_total") or 0)
-        array = array_tasks(req.get("array"))
-        rows = [job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, c,
-                             self.bundle.history) for gt, c in shapes]
-        preds = self.bundle.predict_many(rows, sf)
-        # A type or count the family never ran on is a prediction from other families: doubt it more.
-        fam = self.bundle.history.family(sf["family"])
-        seen = self._seen(sf["family"], req_type, req_total)
-        asked_pred = next((p for (gt, c), p in zip(shapes, preds, strict=True)
-                           if (gt.name, c) == (req_type, req_total)), None)
-        exponent: float | None = None  # the family's speed slope at the asked count, once it is needed
-        # and the one without the family's own runs, the prior its measured ratios are weighed against
-        prior_exponent = functools.cache(lambda: self._speed_exponent(sf, req_total, own=False))
-        table = []
-        for (gt, c), pred in zip(shapes, preds, strict=True):
-            known = f"{c}x{gt.name}" in seen
-            runtime_margin = max(pred.runtime_upper_s / max(pred.runtime_s, 1e-9), 1.0)
-            measured = self._measured_ratio(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
-            if asked_pred is not None and measured is not None:
-                # The family ran both shapes at one batch: its own measured speed ratio there,
-                # weighed against the datasheet's by how many runs it rests on and how widely they spread.
-                runtime = asked_pred.runtime_s * math.exp(self._weighed_ratio(fam, measured, gt, c, req_type,
-                                                                               req_total, prior_exponent))
-            elif known:
-                runtime = pred.runtime_s
-            elif asked_pred is not None and c == req_total and req_type and \
-                    gt.relative_speed >= self.config.gpu_types[req_type].relative_speed:
-                # A faster type the family never ran on: the datasheet's speed ratio over the runtime
-                # as asked, felt as strongly as the family (else its architecture, else the site) felt
-                # it between the types it did run on (a job bound by its input pipeline gains little
-                # from a faster card, whatever the datasheet says). A new family, or one never on the
-                # asked shape, gets that hardware prior too: the model alone ranked a new family's
-                # H100 no faster than its A100 and kept 258 of 1,690 jobs on the slower card
-                # (scenario, load 0.3: mean JCT 2.06 -> 1.68 h with the prior). A slower one keeps
-                # the full ratio below: a time limit is at stake (measured: fewer timeouts).
-                if exponent is None:
-                    exponent = self._speed_exponent(sf, req_total)
-                speeds = self.config.gpu_types
-                runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
-                                                  max(gt.relative_speed, 1e-9)) ** exponent
-            elif asked_pred is None or req_type is None:
-                runtime = pred.runtime_s * self.unseen_penalty
-            else:
-                runtime = self._plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
-                                                  gt.name, c, used)
-            margin = self._memory_margin(known)
-            asked_shape = c == req_total and (req_type is None or gt.name == req_type)
-            table.append(Candidate(gt.name, c, self._fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
-                                   pred.peak_mem_mib, runtime, self._expected_wait(gt.name, c, free, runtime, array),
-                                   margin,
-                                   runtime_margin))
-        if busy is not None:
-            full = {c.gpu_type: c for c in table if c.gpus == req_total}
-            table = [full[c.gpu_type]._replace(gpus=c.gpus, expected_wait_s=c.expected_wait_s)
-                     if busy <= c.gpus < req_total and c.gpu_type in full else c for c in table]
-        return table
-
-    def _weighed_ratio(self, fam: Mapping[str, Any], measured: tuple[float, float | None], gt: GpuType, gpus: int,
-                       req_type: str | None, req_total: int, exponent: Callable[[], float]) -> float:
-        """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at
-        ``exponent()``, the architecture's or site's speed exponent, never the family's own runs):
-        precision-weighted, the measurement's variance the family's spread
-        of log speed (``_rate_variance``) over the runs on each side, the prior's ``PRIOR_RATIO_SD``.
-        Where work is hidden from the script a ratio of a few runs says little and the datasheet
-        decides; runs of known work agree closely and decide for themselves. A count change, or a
-        bundle without run counts, keeps the measured ratio."""
-        ratio, weight = measured
-        variance = self._rate_variance(fam)
-        if weight is None or variance is None or gpus != req_total or not req_type or gt.name == req_type:
-            return ratio
-        if variance * weight <= 0:
-            return ratio
-        speeds = self.config.gpu_types
-        prior = exponent() * math.log(
-            max(speeds[req_type].relative_speed, 1e-9) / max(gt.relative_speed, 1e-9))
-        w_measured, w_prior = 1.0 / (variance * weight), 1.0 / PRIOR_RATIO_SD ** 2
-        return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior)
-
-    def _rate_variance(self, fam: Mapping[str, Any]) -> float | None:
-        """The variance of one run's log speed about its shape's mean: the family's (``rate_ss`` over
-        ``rate_dof``) shrunk toward the site's pooled one by ``SITE_SPREAD_DOF``; None for a bundle
-        without these figures."""
-        if self.bundle not in _SITE_SPREADS:
-            fams = self.bundle.history.families.values()
-            ss = sum(float(f.get("rate_ss", 0.0)) for f in fams)
-            dof = sum(float(f.get("rate_dof", 0.0)) for f in fams)
-            _SITE_SPREADS[self.bundle] = ss / dof if dof > 0 else None
-        site = _SITE_SPREADS[self.bundle]
-        if site is None:
-            return None
-        return (float(fam.get("rate_ss", 0.0)) + SITE_SPREAD_DOF * site) / (float(fam.get("rate_dof", 0.0))
-                                                                              + SITE_SPREAD_DOF)
-
-    @staticmethod
-    def _measured_ratio(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[str | None, int],
-                        log_tokens: float) -> tuple[float, float | None] | None:
-        """The family's measured log speed ratio (``rate:``, time per step and token) of SHAPE over the
-        ASKED shape: at this job's batch where it ran both there, else the mean over the batches it
-        ran on both (paired: each shape's mean over all its batches mixes which jobs ran where, and
-        once made a V100 look 3.8 times faster than an A100 for a family whose large-batch runs went
-        to V100s); None where it never ran both at one batch. With it, the variance of that figure
-        in units of one run's (the sum over the pairs of 1/runs on each side, over pairs squared),
-        None where the bundle counts no runs."""
-        new, old = (RATE + rate_keys(gpus, gpu_type or "", log_tokens)[0] for gpu_type, gpus in (shape, asked))
-
-        def runs(key: str) -> float | None:
-            n = fam.get(RATE_N + key[len(RATE):])
-            return float(n) if n else None
-
-        if new in fam and old in fam:
-            pairs = [(float(fam[new]) - float(fam[old]), runs(new), runs(old))]
-        else:
-            new_at, old_at = new[:new.index("@") + 1], old[:old.index("@") + 1]
-            pairs = [(float(v) - float(fam[old_at + k[len(new_at):]]), runs(k), runs(old_at + k[len(new_at):]))
-                     for k, v in fam.items() if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
-        if not pairs:
-            return None
-        ratio = sum(p for p, _, _ in pairs) / len(pairs)
-        if any(a is None or b is None for _, a, b in pairs):
-            return ratio, None
-        return ratio, sum(1 / a + 1 / b for _, a, b in pairs if a and b) / len(pairs) ** 2
-
-    def _speed_exponent(self, sf: Mapping[str, Any], gpus: int, own: bool = True) -> float:
-        """How strongly the family's speed follows the datasheet: the least-squares slope of its
-        measured log speed (``rate:`` per batch, at GPUS) on log relative speed, the log batch
-        tokens a second regressor (which runs went to which card must not pass for the card's
-        speed), shrunk towards its architecture's (the other sizes and commands of its model,
-        pooled), itself shrunk towards the site's (``_site_exponent``), each by how little the
-        types' speeds differ once the batch is accounted for: weighted means with that spread as
-        weight against ``SPEED_PRIOR``. In [0, 1]. Not ``own``: without the family's own runs (the
-        prior its own measured ratios are weighed against must not be made of them)."""
-        prior = self._site_exponent()
-        levels = [[speed_points(self.config, fam, gpus) for fam in self.bundle.history.siblings(sf)]]
-        if own:
-            levels.append([speed_points(self.config, self.bundle.history.family(sf["family"]), gpus)])
-        for groups in levels:
-            spread, measured = speed_fit(groups)
-            prior = (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
-        return prior
-
-    def _site_exponent(self) -> float:
-        """The speed slope of all families at every count (each its own intercept), in [0, 1]:
-        the prior for a family that ran on too few types to say (1, the datasheet, without any).
-        Computed once per bundle and set of datasheet speeds (the daemon decides many jobs)."""
-        speeds = tuple(sorted((name, t.relative_speed) for name, t in self.config.gpu_types.items()))
-        known = _SITE_SLOPES.setdefault(self.bundle, {})
-        if speeds not in known:
-            counts = {fam_key: {k[len(RATE):].split("x", 1)[0] for k in fam if k.startswith(RATE)}
-                      for fam_key, fam in self.bundle.history.families.items()}
-            groups = [speed_points(self.config, self.bundle.history.family(fam_key), int(n))
-                      for fam_key, ns in counts.items() for n in ns if n.isdigit()]
-            spread, measured = speed_fit(groups)
-            known[speeds] = measured if spread > 0 else 1.0
-        return known[speeds]
 
     def _busy(self, sf: Mapping[str, Any], req_total: int) -> tuple[int, int] | None:
         """(the most GPUs busy, runs) where at least ``min_history`` of the family's completed runs on
@@ -687,97 +498,6 @@ class ModelDecider:
         if bound is None or bound[1] < self.config.policy.min_history or not 0 < bound[0] < req_total:
             return None
         return bound
-
-    def _seen(self, family: str, req_type: str | None, req_total: int) -> set[str]:
-        """The shapes ("<GPUs>x<type>") the family ran on, and the one asked for."""
-        return set(self.bundle.history.family(family).get("shapes", ())) | {f"{req_total}x{req_type}"}
-
-    def _memory_margin(self, known: bool) -> float:
-        """The fit test's margin over a predicted peak: ``memory_margin``, doubted by
-        ``unseen_penalty`` on a shape the family never ran."""
-        return (1 + self.config.policy.memory_margin) * (1.0 if known else self.unseen_penalty) - 1
-
-    def _fits(self, peak_mib: float, margin: float, gt: GpuType, sf: Mapping[str, Any], gpus: int,
-              asked_shape: bool) -> bool:
-        """The table's fit test for one shape: the predicted peak with its margin within the card, or
-        a card the family's outcomes show it holds on (a run with at least these tokens per GPU
-        ended well on a card that size, on as many GPUs or fewer: evidence beats a prediction,
-        which a wide margin can push past a card the family completes on). Where the bundle has no
-        measured peaks, only the outcomes count (and the request itself, where the estimate allows)."""
-        fits = peak_mib * (1 + margin) <= gt.memory_gib * 1024
-        outcomes_only = getattr(self.bundle, "memory_source", "telemetry") == "outcomes"
-        if fits and not outcomes_only:  # the family's outcomes are read only where they can decide
-            return True
-        held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
-        by_outcome = held is not None and held <= gt.memory_gib
-        return (by_outcome or (asked_shape and fits)) if outcomes_only else by_outcome
-
-    def _fit_words(self, c: Candidate, sf: Mapping[str, Any], asked_gpus: int) -> str:
-        """Why a fitting choice fits, in the reason: its predicted peak, or the family's outcomes
-        where they, not the prediction, make it fit (on the asked count, for a count trimmed to
-        the GPUs the family keeps busy: it runs as it ran there)."""
-        if c.pred_peak_mem_mib * (1 + c.margin) <= self.config.gpu_types[c.gpu_type].memory_gib * 1024:
-            return f"peak {c.pred_peak_mem_mib / 1024:.1f} GiB per GPU fits"
-        held = next(h for h in (self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], n)
-                                for n in (c.gpus, asked_gpus)) if h is not None)
-        return (f"fits: its family's runs held on {held:g} GiB cards at this batch or larger "
-                f"(predicted peak {c.pred_peak_mem_mib / 1024:.1f} GiB per GPU)")
-
-    def _fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Candidate,
-                  table: list[Candidate], seen: set[str], offered: list[Any]) -> str:
-        """For a request predicted not to fit: the largest batch size that fits the requested card
-        (the bundle evaluated again with the batch changed, when the script writes one), and the
-        smallest request that holds the job as written: a larger card from the table, or, for a
-        ZeRO-sharded job, more GPUs of the requested type. Every figure is the one tested."""
-        from slurmgpu.pipeline.features import command_lines, job_features, main_command, option_values
-
-        gt = self.config.gpu_types[baseline.gpu_type]
-        gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
-        hints: list[str] = []
-
-        def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:
-            """Predicted peak and the margin its fit test uses (as in the table)."""
-            peak_mib = self.bundle.peak_mib(job_features(feats, req, gpu, gpus, self.bundle.history), feats)
-            return float(peak_mib), self._memory_margin(f"{gpus}x{gt.name}" in seen)
-
-        batch = int(sf["batch_size"])
-        words = main_command(command_lines(request.script.text if request.script else "")).split()
-        if batch > 1 and "batch_size" in option_values(words):
-            def at(b: int) -> tuple[bool, float]:
-                feats = {**sf, "batch_size": float(b), "log_tokens": log_size(b * float(sf["seq_len"]))}
-                p, margin = peak(feats, baseline.gpus)
-                return self._fits(p, margin, gt, feats, baseline.gpus, True), p
-
-            ok, low_peak = at(1)
-            if ok:  # the prediction grows with the batch (near enough): the largest batch that still fits
-                lo, hi, found = 1, batch - 1, (1, low_peak)
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    fit, p = at(mid)
-                    if fit:
-                        lo, found = mid, (mid, p)
-                    else:
-                        hi = mid - 1
-                margin = self._memory_margin(f"{baseline.gpus}x{gt.name}" in seen)
-                hints.append(f"batch size {found[0]} would fit {baseline.gpus} x {gt.name} "
-                             f"({fit_evidence(found[1], margin, gt.memory_gib)})")
-        mem = self.config.gpu_types
-        larger = [c for c in table if c.fits and c.gpus == baseline.gpus and mem[c.gpu_type].memory_gib > gt.memory_gib]
-        holds = []
-        if larger:
-            c = min(larger, key=lambda c: (mem[c.gpu_type].memory_gib, c.pred_peak_mem_mib))
-            holds.append(f"{c.gpus} x {c.gpu_type} ({mem[c.gpu_type].memory_gib:g} GiB, "
-                         f"{fit_evidence(c.pred_peak_mem_mib, c.margin, mem[c.gpu_type].memory_gib, False)})")
-        if float(sf.get("zero", 0.0)) > 0 and request.main.nodes == 1:
-            most = max((p.gpus_per_node for p in offered if gt.name in p.gpu_types), default=0)
-            for k in range(baseline.gpus + 1, most + 1):
-                p, margin = peak(sf, k)
-                if self._fits(p, margin, gt, sf, k, False):
-                    holds.append(f"{k} x {gt.name} with ZeRO sharding (predicted peak {p / 1024:.1f} GiB per GPU)")
-                    break
-        if holds:
-            hints.append("smallest request that holds it: " + " or ".join(holds))
-        return "; hint: " + "; ".join(hints) if hints else ""
 
     def predicted_peak_mib(self, request: JobRequest, gpu_type: str, gpus: int) -> float | None:
         """The per-GPU peak the model predicts for this job on ``gpus`` x ``gpu_type`` (MiB), or None
@@ -810,189 +530,19 @@ class ModelDecider:
             return any(s.split("x", 1)[-1] == gpu_type for s in shapes)
         return True
 
-    def _plausible_runtime(self, model_s: float, asked_s: float, asked_type: str, asked_gpus: int,
-                           gpu_type: str, gpus: int, used: int) -> float:
-        """Runtime on a shape the family never ran on, held to the hardware: scaled from the
-        family's own requested shape by the config's relative speed and by the GPUs the launch
-        uses (``used``), the model's figure kept only where it is more cautious. A card or count
-        faster on paper is never predicted slower than the request, a slower one never faster
-        than its speed ratio says (issue: no faster card predicted slower without evidence)."""
-        speed = self.config.gpu_types
-        scale = (speed[asked_type].relative_speed / max(speed[gpu_type].relative_speed, 1e-9)
-                 * min(asked_gpus, used) / max(min(gpus, used), 1))
-        prior = asked_s * scale
-        if scale <= 1.0:
-            return min(max(model_s, prior), asked_s)
-        return max(model_s, prior)
-
-    def _expected_wait(self, gpu_type: str, gpus: int, free: Mapping[str, int], runtime_s: float = 0.0,
-                       array: tuple[int, int] = (1, 0)) -> float:
-        """From the queue where it was read (an array: its tasks' mean wait, each running RUNTIME_S);
-        else idle GPUs now or ``busy_wait_s``."""
-        if self.wait is not None:
-            if array[0] > 1 and math.isfinite(runtime_s):
-                return self.wait(gpu_type, gpus, tasks=array[0], runtime_s=runtime_s, at_once=array[1])
-            return self.wait(gpu_type, gpus)
-        return 0.0 if free.get(gpu_type, 0) >= gpus else self.busy_wait_s
-
-    def _slower(self, c: Candidate, baseline: Candidate) -> bool:
-        """A move, of a job that fits as asked, to a shape predicted slower than the request or to a
-        card slower on the datasheet (a prediction of "no slower" there is the model's guess, and
-        a wrong one costs the job its time limit)."""
-        if not baseline.fits or (c.gpu_type, c.gpus) == (baseline.gpu_type, baseline.gpus):
-            return False
-        types = self.config.gpu_types
-        return c.pred_runtime_s > baseline.pred_runtime_s or \
-            types[c.gpu_type].relative_speed < types[baseline.gpu_type].relative_speed
-
-    def _in_time(self, c: Candidate, baseline: Candidate, limit_s: int | None) -> bool:
-        """A change must not push the job past its own time limit (it would be killed): the predicted
-        runtime with the margin newer jobs overran their predictions by (the bundle's runtime
-        spread), at least ``scaling_factor``, and, for a move to a slower shape (``_slower``), at
-        least the job's own 95th-percentile margin (``Candidate.runtime_margin``): its upper
-        runtime. A move, of a job that fits as asked, to a shape no slower (``_slower``: on the
-        datasheet and by prediction) runs no longer than the request: the request's own risk, less,
-        so it is in time wherever the request is (measured: the bundle's margin of 5.7x on hidden
-        work held 85 of 1,690 jobs on a slower card than the one they would finish sooner on). A
-        job predicted not to fit as asked would fail for sure: its move keeps the bundle's margin
-        alone (measured: with the job's own margin there, such jobs lost their only move and GPU
-        OOMs rose from 251 to 273)."""
-        if limit_s is None or c == baseline or (baseline.fits and not self._slower(c, baseline)):
-            return True
-        margin = max(self.config.policy.scaling_factor, math.exp(getattr(self.bundle, "runtime_spread", 0.0)),
-                     c.runtime_margin if self._slower(c, baseline) else 1.0)
-        return c.pred_runtime_s * margin <= limit_s
-
-    def _clear_gain(self, c: Candidate, baseline: Candidate) -> bool:
-        """A move to a slower shape is worth its risk only where it finishes sooner than the request
-        even at its upper runtime: a gain within the prediction's error keeps the request. A MIG
-        slice that runs as long as the card asked (``_on_slices``: by the family's measured
-        utilisation, not the model's guess) gains by its cost, which that error leaves alone."""
-        if not self._slower(c, baseline) or (self.config.gpu_types[c.gpu_type].is_slice
-                                             and c.pred_runtime_s <= baseline.pred_runtime_s):
-            return True
-        return c.expected_wait_s + c.pred_runtime_s * c.runtime_margin < \
-            baseline.expected_wait_s + baseline.pred_runtime_s
-
     def _mem_gib(self, gtype: str | None) -> float:
         t = self.config.gpu_types.get(gtype or "")
         return t.memory_gib if t else 0.0
 
-    def _enough(self, full: Candidate, table: list[Candidate]) -> Candidate | None:
-        """The fewest GPUs of this type that fit and run within the scaling factor of ``full``."""
-        limit = full.pred_runtime_s * self.config.policy.scaling_factor
-        fewer = [c for c in table if c.gpu_type == full.gpu_type and c.fits and c.pred_runtime_s <= limit]
-        return min(fewer, key=lambda c: c.gpus) if fewer else None
-
-    def _score(self, c: Candidate, base: Candidate) -> float:
-        """Lower is better, relative to the request as asked."""
-        done = c.expected_wait_s + c.pred_runtime_s
-        cost = c.pred_runtime_s * c.gpus * self.config.gpu_types[c.gpu_type].cost
-        base_done = base.expected_wait_s + base.pred_runtime_s
-        base_cost = base.pred_runtime_s * base.gpus * self.config.gpu_types[base.gpu_type].cost
-        objective = self.config.policy.objective
-        if objective == "fastest":
-            return _ratio(done, base_done)
-        if objective == "cheapest":
-            return _ratio(cost, base_cost) if done <= base_done * self.config.policy.scaling_factor else math.inf
-        return 0.5 * _ratio(done, base_done) + 0.5 * _ratio(cost, base_cost)
-
-
-def _ratio(value: float, base: float) -> float:
-    """VALUE relative to BASE (the request's own, which is 1): nothing over nothing is as good, and
-    something over nothing unboundedly worse (a request predicted to take no time is not beaten); a
-    product too large for a float (a cost in the hundreds of digits) is as large as another."""
-    if math.isinf(base):
-        return 1.0 if math.isinf(value) else 0.0
-    if base > 0:
-        return value / base
-    return 1.0 if value <= 0 else math.inf
-
-
-# Past this a figure of seconds is no figure (30,000 years): sums and products of them stay finite.
-FIGURE_BOUND = 1e12
-
-
-def _usable(value: float, bound: float = FIGURE_BOUND) -> bool:
-    return math.isfinite(value) and 0 <= value <= bound
-
-
-def _finite(c: Candidate) -> bool:
-    """Whether a row has every figure a comparison and its reason use: wait, runtime and its margin, and
-    a finite peak (one past any card only fails the fit test)."""
-    return all(_usable(v) for v in (c.expected_wait_s, c.pred_runtime_s, c.runtime_margin)) \
-        and _usable(c.pred_peak_mem_mib, math.inf)
-
-
 def _unbounded(c: Candidate) -> str:
     """Why the request as asked has no finish time to compare with, in words without the figure."""
     shape = f"{c.gpus} x {c.gpu_type}"
-    if not _usable(c.expected_wait_s):
+    if not usable(c.expected_wait_s):
         return (f"the queue view sees no time {shape} starts (no node holds that many, or jobs without a time "
                 "limit hold them)")
-    if not _usable(c.pred_peak_mem_mib, math.inf):
+    if not usable(c.pred_peak_mem_mib, math.inf):
         return f"no usable peak memory predicted for {shape} as asked"
     return f"no usable runtime predicted for {shape} as asked"
-
-
-def speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tuple[float, float, float]]:
-    """(log relative speed, log batch tokens, log speed) of each batch the family ran on GPUS of a type."""
-    points = []
-    for name, t in config.gpu_types.items():
-        at = f"{RATE}{gpus}x{name}@"
-        points += [(math.log(max(t.relative_speed, 1e-9)), math.log(max(float(key[len(at):]), 1.0)), -float(v))
-                   for key, v in fam.items() if key.startswith(at)]
-    return points
-
-
-def speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
-    """Least squares of log speed on log relative speed and log tokens, each group its own
-    intercept: the spread of the speeds with the tokens held fixed, and the speed slope in [0, 1]
-    (1 where the spread is none)."""
-    sums = [0.0] * 5  # xx, zz, xz, xy, zy
-    for points in groups:
-        if len(points) < 2:
-            continue
-        mx, mz, my = (sum(p[i] for p in points) / len(points) for i in range(3))
-        for x, z, y in points:
-            dx, dz, dy = x - mx, z - mz, y - my
-            for i, v in enumerate((dx * dx, dz * dz, dx * dz, dx * dy, dz * dy)):
-                sums[i] += v
-    sxx, szz, sxz, sxy, szy = sums
-    spread = sxx - sxz * sxz / szz if szz > 1e-12 else sxx
-    if spread <= 1e-12:
-        return 0.0, 1.0
-    measured = (sxy * szz - szy * sxz) / (sxx * szz - sxz * sxz) if szz > 1e-12 else sxy / sxx
-    return spread, min(max(measured, 0.0), 1.0)
-
-
-def by_prediction(peak_mib: float, margin: float, card_gib: float) -> bool:
-    """Whether a fit rests on the prediction (the peak with its margin within the card); a fit
-    that does not rests on the family's past runs on such cards (ModelDecider._fits)."""
-    return peak_mib * (1 + margin) <= card_gib * 1024
-
-
-def fit_evidence(peak_mib: float, margin: float, card_gib: float, of_card: bool = True) -> str:
-    """What a fit claim rests on, in words: the predicted peak (``of 32 GiB`` when OF_CARD), or,
-    where that peak is above the card, the family's past runs, with the prediction said as such."""
-    peak = f"predicted peak {peak_mib / 1024:.1f} GiB"
-    if by_prediction(peak_mib, margin, card_gib):
-        return f"{peak} of {card_gib:g} GiB" if of_card else peak
-    return (f"by its family's runs, which held on {card_gib:g} GiB cards at this batch or larger; the {peak} "
-            f"is above the card")
-
-
-BORDERLINE = 0.15  # a fitting peak (with margin) this close to the card is worth a word
-
-
-def _borderline(c: Candidate, gt: GpuType) -> str:
-    """A note when a fitting choice's predicted peak, with the margin, is within 15% of its card."""
-    margin = c.margin
-    with_margin = c.pred_peak_mem_mib * (1 + margin) / 1024
-    if not c.fits or with_margin < (1 - BORDERLINE) * gt.memory_gib or with_margin > gt.memory_gib:
-        return ""
-    return (f"; borderline: predicted peak {with_margin:.1f} GiB (with the {margin:.0%} margin) "
-            f"of {gt.memory_gib:g} GiB on {gt.name}")
 
 
 class GpuMemAsk(NamedTuple):
@@ -1139,7 +689,7 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
     if not comp.gpus:
         why += f"; the job asked for no GPU: {count} x {choice} added"
     predicted = decider.predicted_peak_mib(request, choice, count) if isinstance(decider, ModelDecider) else None
-    if predicted is not None and _usable(predicted, math.inf):
+    if predicted is not None and usable(predicted, math.inf):
         why += f"; asked for >= {ask.shown} GiB per GPU; predicted peak {predicted / 1024:.1f} GiB"
     if choice == current and target is None:
         return Decision(reasons=(why,), decider=name)

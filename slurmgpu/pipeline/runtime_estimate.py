@@ -1,0 +1,181 @@
+"""How long a job runs on a shape it may be moved to: the family's measured speed ratios, weighed
+against the datasheet's, and the datasheet prior itself (a speed slope per family, architecture
+and site) for a shape the family never ran on.
+
+Apart from the decider (pipeline/policy.py) so that the estimate can be read, tested and tuned
+without the choice around it; the candidate table (pipeline/candidates.py) calls it per row.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from slurmgpu.pipeline.config import Config, GpuType
+from slurmgpu.pipeline.features import RATE, RATE_N, rate_keys
+
+# The datasheet's weight against a family's measured speed slope, in squared log speed: a family
+# measured on two cards 1.6x apart (a V100 and an A10, say) counts as much as the datasheet.
+SPEED_PRIOR = 0.1
+# How far the datasheet's speed ratio of two types (to the family's exponent) may be off for a job, as
+# a log standard deviation: the prior a family's own measured ratio is weighed against.
+PRIOR_RATIO_SD = 0.3
+# Degrees of freedom the site's spread of log speed counts for when a family's own is estimated.
+SITE_SPREAD_DOF = 5.0
+# Per bundle: the site's pooled spread of log speed, and its pooled speed slope by the datasheet
+# speeds it was computed with (the daemon decides many jobs with one bundle).
+_SITE_SPREADS: weakref.WeakKeyDictionary[Any, float | None] = weakref.WeakKeyDictionary()
+_SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...], float]] = weakref.WeakKeyDictionary()
+
+
+class RuntimeEstimate:
+    """The runtime figures of one bundle under one config's datasheet speeds."""
+
+    def __init__(self, config: Config, bundle: Any) -> None:
+        self.config, self.bundle = config, bundle
+
+    def weighed_ratio(self, fam: Mapping[str, Any], measured: tuple[float, float | None], gt: GpuType, gpus: int,
+                      req_type: str | None, req_total: int, exponent: Callable[[], float]) -> float:
+        """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at
+        ``exponent()``, the architecture's or site's speed exponent, never the family's own runs):
+        precision-weighted, the measurement's variance the family's spread
+        of log speed (``rate_variance``) over the runs on each side, the prior's ``PRIOR_RATIO_SD``.
+        Where work is hidden from the script a ratio of a few runs says little and the datasheet
+        decides; runs of known work agree closely and decide for themselves. A count change, or a
+        bundle without run counts, keeps the measured ratio."""
+        ratio, weight = measured
+        variance = self.rate_variance(fam)
+        if weight is None or variance is None or gpus != req_total or not req_type or gt.name == req_type:
+            return ratio
+        if variance * weight <= 0:
+            return ratio
+        speeds = self.config.gpu_types
+        prior = exponent() * math.log(
+            max(speeds[req_type].relative_speed, 1e-9) / max(gt.relative_speed, 1e-9))
+        w_measured, w_prior = 1.0 / (variance * weight), 1.0 / PRIOR_RATIO_SD ** 2
+        return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior)
+
+    def rate_variance(self, fam: Mapping[str, Any]) -> float | None:
+        """The variance of one run's log speed about its shape's mean: the family's (``rate_ss`` over
+        ``rate_dof``) shrunk toward the site's pooled one by ``SITE_SPREAD_DOF``; None for a bundle
+        without these figures."""
+        if self.bundle not in _SITE_SPREADS:
+            fams = self.bundle.history.families.values()
+            ss = sum(float(f.get("rate_ss", 0.0)) for f in fams)
+            dof = sum(float(f.get("rate_dof", 0.0)) for f in fams)
+            _SITE_SPREADS[self.bundle] = ss / dof if dof > 0 else None
+        site = _SITE_SPREADS[self.bundle]
+        if site is None:
+            return None
+        return (float(fam.get("rate_ss", 0.0)) + SITE_SPREAD_DOF * site) / (float(fam.get("rate_dof", 0.0))
+                                                                              + SITE_SPREAD_DOF)
+
+    def speed_exponent(self, sf: Mapping[str, Any], gpus: int, own: bool = True) -> float:
+        """How strongly the family's speed follows the datasheet: the least-squares slope of its
+        measured log speed (``rate:`` per batch, at GPUS) on log relative speed, the log batch
+        tokens a second regressor (which runs went to which card must not pass for the card's
+        speed), shrunk towards its architecture's (the other sizes and commands of its model,
+        pooled), itself shrunk towards the site's (``site_exponent``), each by how little the
+        types' speeds differ once the batch is accounted for: weighted means with that spread as
+        weight against ``SPEED_PRIOR``. In [0, 1]. Not ``own``: without the family's own runs (the
+        prior its own measured ratios are weighed against must not be made of them)."""
+        prior = self.site_exponent()
+        levels = [[speed_points(self.config, fam, gpus) for fam in self.bundle.history.siblings(sf)]]
+        if own:
+            levels.append([speed_points(self.config, self.bundle.history.family(sf["family"]), gpus)])
+        for groups in levels:
+            spread, measured = speed_fit(groups)
+            prior = (spread * measured + SPEED_PRIOR * prior) / (spread + SPEED_PRIOR)
+        return prior
+
+    def site_exponent(self) -> float:
+        """The speed slope of all families at every count (each its own intercept), in [0, 1]:
+        the prior for a family that ran on too few types to say (1, the datasheet, without any).
+        Computed once per bundle and set of datasheet speeds (the daemon decides many jobs)."""
+        speeds = tuple(sorted((name, t.relative_speed) for name, t in self.config.gpu_types.items()))
+        known = _SITE_SLOPES.setdefault(self.bundle, {})
+        if speeds not in known:
+            counts = {fam_key: {k[len(RATE):].split("x", 1)[0] for k in fam if k.startswith(RATE)}
+                      for fam_key, fam in self.bundle.history.families.items()}
+            groups = [speed_points(self.config, self.bundle.history.family(fam_key), int(n))
+                      for fam_key, ns in counts.items() for n in ns if n.isdigit()]
+            spread, measured = speed_fit(groups)
+            known[speeds] = measured if spread > 0 else 1.0
+        return known[speeds]
+
+    def plausible_runtime(self, model_s: float, asked_s: float, asked_type: str, asked_gpus: int,
+                          gpu_type: str, gpus: int, used: int) -> float:
+        """Runtime on a shape the family never ran on, held to the hardware: scaled from the
+        family's own requested shape by the config's relative speed and by the GPUs the launch
+        uses (``used``), the model's figure kept only where it is more cautious. A card or count
+        faster on paper is never predicted slower than the request, a slower one never faster
+        than its speed ratio says (issue: no faster card predicted slower without evidence)."""
+        speed = self.config.gpu_types
+        scale = (speed[asked_type].relative_speed / max(speed[gpu_type].relative_speed, 1e-9)
+                 * min(asked_gpus, used) / max(min(gpus, used), 1))
+        prior = asked_s * scale
+        if scale <= 1.0:
+            return min(max(model_s, prior), asked_s)
+        return max(model_s, prior)
+
+
+def measured_ratio(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[str | None, int],
+                   log_tokens: float) -> tuple[float, float | None] | None:
+    """The family's measured log speed ratio (``rate:``, time per step and token) of SHAPE over the
+    ASKED shape: at this job's batch where it ran both there, else the mean over the batches it
+    ran on both (paired: each shape's mean over all its batches mixes which jobs ran where, and
+    once made a V100 look 3.8 times faster than an A100 for a family whose large-batch runs went
+    to V100s); None where it never ran both at one batch. With it, the variance of that figure
+    in units of one run's (the sum over the pairs of 1/runs on each side, over pairs squared),
+    None where the bundle counts no runs."""
+    new, old = (RATE + rate_keys(gpus, gpu_type or "", log_tokens)[0] for gpu_type, gpus in (shape, asked))
+
+    def runs(key: str) -> float | None:
+        n = fam.get(RATE_N + key[len(RATE):])
+        return float(n) if n else None
+
+    if new in fam and old in fam:
+        pairs = [(float(fam[new]) - float(fam[old]), runs(new), runs(old))]
+    else:
+        new_at, old_at = new[:new.index("@") + 1], old[:old.index("@") + 1]
+        pairs = [(float(v) - float(fam[old_at + k[len(new_at):]]), runs(k), runs(old_at + k[len(new_at):]))
+                 for k, v in fam.items() if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
+    if not pairs:
+        return None
+    ratio = sum(p for p, _, _ in pairs) / len(pairs)
+    if any(a is None or b is None for _, a, b in pairs):
+        return ratio, None
+    return ratio, sum(1 / a + 1 / b for _, a, b in pairs if a and b) / len(pairs) ** 2
+
+
+def speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tuple[float, float, float]]:
+    """(log relative speed, log batch tokens, log speed) of each batch the family ran on GPUS of a type."""
+    points = []
+    for name, t in config.gpu_types.items():
+        at = f"{RATE}{gpus}x{name}@"
+        points += [(math.log(max(t.relative_speed, 1e-9)), math.log(max(float(key[len(at):]), 1.0)), -float(v))
+                   for key, v in fam.items() if key.startswith(at)]
+    return points
+
+
+def speed_fit(groups: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
+    """Least squares of log speed on log relative speed and log tokens, each group its own
+    intercept: the spread of the speeds with the tokens held fixed, and the speed slope in [0, 1]
+    (1 where the spread is none)."""
+    sums = [0.0] * 5  # xx, zz, xz, xy, zy
+    for points in groups:
+        if len(points) < 2:
+            continue
+        mx, mz, my = (sum(p[i] for p in points) / len(points) for i in range(3))
+        for x, z, y in points:
+            dx, dz, dy = x - mx, z - mz, y - my
+            for i, v in enumerate((dx * dx, dz * dz, dx * dz, dx * dy, dz * dy)):
+                sums[i] += v
+    sxx, szz, sxz, sxy, szy = sums
+    spread = sxx - sxz * sxz / szz if szz > 1e-12 else sxx
+    if spread <= 1e-12:
+        return 0.0, 1.0
+    measured = (sxy * szz - szy * sxz) / (sxx * szz - sxz * sxz) if szz > 1e-12 else sxy / sxx
+    return spread, min(max(measured, 0.0), 1.0)
