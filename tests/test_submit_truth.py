@@ -9,6 +9,7 @@ Unit tests run gsbatch.main with a backend that records what sbatch would get; t
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -333,6 +334,9 @@ def test_a_fit_on_past_runs_says_so_and_never_reads_as_a_predicted_fit() -> None
     assert words == ("by its family's runs, which held on 80 GiB cards at this batch or larger; the predicted peak "
                      "95.4 GiB is above the card")
     assert fit_evidence(78 * 1024, 0.1, 80, of_card=False).startswith("by its family's runs")  # with the margin
+    for unusable in (math.inf, math.nan):  # a model's peak past any figure: the runs alone, no inf or nan shown
+        assert fit_evidence(unusable, 0.1, 32) == ("by its family's runs, which held on 32 GiB cards at this batch "
+                                                   "or larger; no usable peak is predicted")
 
 
 def test_the_explain_table_tells_a_fit_on_past_runs_from_a_predicted_one(tmp_path: Path) -> None:

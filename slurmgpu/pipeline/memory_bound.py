@@ -8,6 +8,7 @@ candidate table (pipeline/candidates.py) calls it per row and the decider for it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -123,7 +124,9 @@ class MemoryBound:
             for k in range(baseline.gpus + 1, most + 1):
                 p, margin = peak(sf, k)
                 if self.fits(p, margin, gt, sf, k, False):
-                    holds.append(f"{k} x {gt.name} with ZeRO sharding (predicted peak {p / 1024:.1f} GiB per GPU)")
+                    shown = f"predicted peak {p / 1024:.1f} GiB per GPU" if by_prediction(p, margin, gt.memory_gib) \
+                        else fit_evidence(p, margin, gt.memory_gib)
+                    holds.append(f"{k} x {gt.name} with ZeRO sharding ({shown})")
                     break
         if holds:
             hints.append("smallest request that holds it: " + " or ".join(holds))
@@ -142,8 +145,9 @@ def fit_evidence(peak_mib: float, margin: float, card_gib: float, of_card: bool 
     peak = f"predicted peak {peak_mib / 1024:.1f} GiB"
     if by_prediction(peak_mib, margin, card_gib):
         return f"{peak} of {card_gib:g} GiB" if of_card else peak
-    return (f"by its family's runs, which held on {card_gib:g} GiB cards at this batch or larger; the {peak} "
-            f"is above the card")
+    # a peak past any figure (infinite, not a number) is said without it: no reason shows inf or nan
+    above = f"the {peak} is above the card" if math.isfinite(peak_mib) else "no usable peak is predicted"
+    return f"by its family's runs, which held on {card_gib:g} GiB cards at this batch or larger; {above}"
 
 
 def borderline(c: Row, gt: GpuType) -> str:
