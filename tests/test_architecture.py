@@ -28,10 +28,12 @@ KEPT = "#!/bin/bash\n#SBATCH -p gpu --gres=gpu:a100:1\n#SBATCH -t 1\nsleep 1\n"
 REWRITTEN = "#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\n#SBATCH -t 1\nsleep 1\n"
 # What gsbatch must not load when `slurmgpu serve` made the plan: it checks, reports and submits
 # the daemon's answer, so none of the decision code (the plan maker, the policy, the model bundle,
-# script features, the rewrite and its Jinja templates) is needed; tempfile and datetime cost a
-# submission milliseconds of start-up each and have light stand-ins on this path.
+# script features, the rewrite and its Jinja templates) is needed; typing, tempfile, datetime and
+# contextlib cost a submission milliseconds of start-up and have light stand-ins on this path
+# (typing's: slurmgpu.typing_lite, whose NamedTuple classes are made without it).
 DAEMON_PATH_NEVER = ("slurmgpu.pipeline.plan", "slurmgpu.pipeline.policy", "slurmgpu.pipeline.bundle",
-                     "slurmgpu.pipeline.features", "slurmgpu.pipeline.rewrite", "jinja2", "tempfile", "datetime")
+                     "slurmgpu.pipeline.features", "slurmgpu.pipeline.rewrite", "jinja2", "typing", "tempfile",
+                     "datetime", "contextlib")
 
 
 def import_cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]]:
@@ -173,6 +175,7 @@ def test_importtime_check_sees_a_rewrite_load_jinja(tmp_path: Path, sample_confi
     assert "jinja2" in _packages(modules)  # rewrites render through the Jinja templates
     # planned in this process (no daemon): the probe below sees the decision code when it is loaded
     assert {"slurmgpu.pipeline.plan", "slurmgpu.pipeline.policy", "slurmgpu.pipeline.rewrite"} <= modules
+    assert "typing" in modules  # the decision modules use it; the daemon path does not (below)
 
 
 @pytest.fixture(scope="module")
@@ -221,12 +224,13 @@ def test_the_daemon_path_loads_no_decision_code(tmp_path: Path, serve_socket: tu
 
 def test_the_daemon_path_compiles_no_code(tmp_path: Path, serve_socket: tuple[str, Path]) -> None:
     """A process's first compile() builds the interpreter's AST node types (about 2 ms of gsbatch's
-    start-up), and a NamedTuple whose field annotations are text (``from __future__ import
+    start-up), and a typing.NamedTuple whose field annotations are text (``from __future__ import
     annotations``) compiles each of them when its class is made. The modules on gsbatch's daemon
-    path evaluate their annotations instead, so nothing there compiles; without the daemon, the
-    decision modules gsbatch loads do (the probe can see it). The first run reads the TOML config
-    (its parser compiles) and leaves the parse in the per-user cache, as every later run reads it;
-    a daemon that misses gsbatch's deadline on a loaded machine gets three tries, as above."""
+    path make theirs with slurmgpu.typing_lite, which keeps the text, so nothing there compiles;
+    without the daemon, the decision modules gsbatch loads do (the probe can see it). The first run
+    reads the TOML config (its parser compiles) and leaves the parse in the per-user cache, as every
+    later run reads it; a daemon that misses gsbatch's deadline on a loaded machine gets three
+    tries, as above."""
     sock, _ = serve_socket
     _gsbatch(tmp_path, KEPT, SAMPLE, sock, [str(BIN / "gsbatch")])  # the config's parse is cached
     for _ in range(3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -90,3 +91,29 @@ def test_expected_wait_from_the_live_queue(tmp_path: Path) -> None:
         assert cached is not None and cached.nodes == capacity.nodes  # the node view is cached with it
     finally:
         subprocess.run(["scancel", "-n", name], check=False)
+
+
+def test_which_searches_path_as_the_child_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``which`` reads PATH as os.get_exec_path does (what subprocess and posix_spawnp search): no
+    PATH is os.defpath, an empty entry is the working directory; a directory of the name, or a
+    file that is not executable, is passed over."""
+    first, second, here = tmp_path / "a", tmp_path / "b", tmp_path / "cwd"
+    for d in (first, second, here):
+        d.mkdir()
+    (first / "tool").mkdir()
+    (second / "tool").write_text("#!/bin/sh\n")
+    (second / "tool").chmod(0o755)
+    (here / "tool").write_text("#!/bin/sh\n")
+    monkeypatch.chdir(here)
+
+    def by_exec_path(name: str, env: dict[str, str]) -> str | None:
+        found = (os.path.join(d, name) for d in os.get_exec_path(env))
+        return next((p for p in found if os.access(p, os.X_OK) and not os.path.isdir(p)), None)
+
+    for mode, expected in ((0o644, str(second / "tool")), (0o755, "tool")):
+        (here / "tool").chmod(mode)  # executable: the empty entry (the working directory) finds it
+        for path in (f"{first}:{second}", f"{first}::{second}", f"::{second}", str(first), "", None):
+            env = {} if path is None else {"PATH": path}
+            assert slurm.which("tool", env) == by_exec_path("tool", env), path
+        assert slurm.which("tool", {"PATH": f"{first}::{second}"}) == expected
+    assert slurm.which("sh", {}) == by_exec_path("sh", {}) is not None  # os.defpath

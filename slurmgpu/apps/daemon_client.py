@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+
+from slurmgpu.typing_lite import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 DEFAULT_SOCKET = "/run/slurmgpu/slurmgpu.sock"
 MAX_REQUEST_BYTES = 256 << 10  # one request line; the hook cuts the script to fit, gsbatch plans in-process

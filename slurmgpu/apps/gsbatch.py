@@ -8,25 +8,27 @@ one warning line and sbatch's own output and exit code. Nothing after sbatch has
 submission record, a closed or broken stdout) can change that exit code.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TextIO, cast
 
 from slurmgpu.apps.site import DECIDED_MARKER, load_site
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.errors import SBATCH_USAGE, ConfigError, InputError, one_line
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
-from slurmgpu.slurm.backend import CliBackend, SlurmBackend, Submitted
+from slurmgpu.slurm.backend import CliBackend, Submitted
+from slurmgpu.typing_lite import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # decided in this process, these load on demand; the daemon's plan needs none
+    from typing import Any, TextIO
+
     from slurmgpu.pipeline.plan import Plan
     from slurmgpu.pipeline.policy import Decider, Decision
     from slurmgpu.pipeline.request import JobRequest
+    from slurmgpu.slurm.backend import SlurmBackend
 
 OWN_FLAGS = ("--dry-run", "--diff", "--explain", "--no-rewrite")
 PASS_THROUGH = {"help", "usage", "version"}
@@ -143,7 +145,7 @@ def _fault(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def explain_text(request: "JobRequest", decision: "Decision", memory_gib: Mapping[str, float] | None = None) -> str:
+def explain_text(request: JobRequest, decision: Decision, memory_gib: Mapping[str, float] | None = None) -> str:
     """The decision in lines; in the table a fit that rests on the family's past runs rather than
     the prediction (its peak is above the card: ``memory_gib``) reads ``runs``, not ``yes``."""
     from slurmgpu.pipeline.memory_bound import by_prediction
@@ -184,9 +186,9 @@ def read_stdin(stream: TextIO | None = None) -> bytes:
     return stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode()
 
 
-def plan(inv: Invocation, env: Mapping[str, str], decider: "Decider", stdin: TextIO | None = None,
+def plan(inv: Invocation, env: Mapping[str, str], decider: Decider, stdin: TextIO | None = None,
          stdin_data: bytes | None = None, config: Config | None = None,
-         backend: SlurmBackend | None = None) -> "Plan":
+         backend: SlurmBackend | None = None) -> Plan:
     """Parse, decide and rewrite in this process; raises InputError for bad user input.
     A script on stdin is ``stdin_data`` when the caller already read it, else read here.
     ``config``: the site's, by which a --gpu-mem is met whatever the decider; ``backend``: Slurm's
@@ -370,7 +372,7 @@ def run_sbatch(backend: SlurmBackend, words: Sequence[str], env: Mapping[str, st
     from slurmgpu.slurm.backend import SlurmError
 
     real = sys.stdout
-    sys.stdout = cast(TextIO, _PassOn(real))
+    sys.stdout = _PassOn(real)
     try:
         return backend.submit(words, env, stdin)
     except SlurmError as exc:  # sbatch could not be started; a shell says 127 of a missing command
@@ -495,7 +497,7 @@ def model_version(p: Mapping[str, Any]) -> str | None:
 
 
 def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, backend: SlurmBackend,
-            decider: "Decider | None", stdin_data: bytes | None = None) -> dict[str, Any]:
+            decider: Decider | None, stdin_data: bytes | None = None) -> dict[str, Any]:
     """The plan in JSON form: from the daemon when it answers, else made here (and explained,
     when asked). Raises InputError for bad user input."""
     from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
@@ -526,7 +528,7 @@ def _decide(inv: Invocation, env: Mapping[str, str], config: Config | None, back
     return made
 
 
-def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, "Decider | None", str | None]:
+def _load(inv: Invocation, env: Mapping[str, str]) -> tuple[Config | None, Decider | None, str | None]:
     """The site config; one that cannot be used (missing, unreadable, not UTF-8, invalid) gives
     the keep decider, so the job goes as written (bad input, and a --gpu-mem that cannot be met
     without the config, are still refused), and the warning to print when it does go."""
@@ -561,7 +563,7 @@ def _show(inv: Invocation, out: Outcome) -> int:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-         backend: SlurmBackend | None = None, decider: "Decider | None" = None) -> int:
+         backend: SlurmBackend | None = None, decider: Decider | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ if env is None else env)
     backend = backend or CliBackend()

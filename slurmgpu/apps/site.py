@@ -10,14 +10,16 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
 
 from slurmgpu.apps.daemon_client import PLAN_TIMEOUT_S
 from slurmgpu.pipeline.config import Config, find_config, load_config, user_cache_dir
 from slurmgpu.pipeline.errors import one_line
 from slurmgpu.pipeline.files import read_regular
+from slurmgpu.typing_lite import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
+    from typing import Any
+
     from slurmgpu.pipeline.policy import Admits, Decider, Decision
     from slurmgpu.pipeline.request import ComponentRequest, JobRequest
     from slurmgpu.slurm.backend import SlurmBackend

@@ -5,18 +5,20 @@ Everything is validated on load so that a typo is reported once, with the key th
 instead of surfacing as a wrong decision later.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.errors import ConfigError
 from slurmgpu.pipeline.files import open_regular, read_capped, read_regular
 from slurmgpu.pipeline.modes import FAMILY, MODES, REWRITE, Modes, Waiver
+from slurmgpu.typing_lite import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_CONFIG_BYTES = 4 << 20  # a larger file (or its cached parse) is refused unread
 SYSTEM_CONFIG = "/etc/slurmgpu/slurmgpu.toml"  # a str: pathlib costs gsbatch start-up time

@@ -12,7 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import BinaryIO
+
+from slurmgpu.typing_lite import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 _KINDS = ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
           (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),

@@ -9,7 +9,11 @@ trip to the daemon and sbatch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+
+from slurmgpu.typing_lite import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def oom_warning(plan: Mapping[str, Any], memory_gib: Mapping[str, float]) -> str | None:

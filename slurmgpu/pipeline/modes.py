@@ -18,17 +18,16 @@ rendered into it by ``slurmgpu lua render``, the job_submit.lua hook:
 Nothing here reads the environment: what a user can set never changes the mode or the waivers.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+
+from slurmgpu.typing_lite import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from datetime import date
-else:  # the annotations below are evaluated at import, and datetime costs gsbatch ~2 ms to load:
-    date = object  # it is loaded where a waiver is read or checked, and most sites have none
+    from typing import Any
 
 REWRITE, ADVISE = "rewrite", "advise"
 MODES = (REWRITE, ADVISE)

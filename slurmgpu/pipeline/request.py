@@ -12,18 +12,22 @@ src/common/gres.c, run by sbatch and again by slurmctld), checked case by case a
 scheduler by tests/test_slurm_diff.py.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
 
 from slurmgpu.pipeline import wrapper
 from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
 from slurmgpu.pipeline.sbatch_options import ENV_OPTIONS, OptionError, split_options
 from slurmgpu.pipeline.script import BatchScript
+from slurmgpu.typing_lite import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from typing import Any, Literal
+
+    Per = Literal["job", "node", "task", "socket"]
 
 GPU_OPTIONS: dict[str, str] = {
     "gres": "node",
@@ -32,7 +36,6 @@ GPU_OPTIONS: dict[str, str] = {
     "gpus-per-task": "task",
     "gpus-per-socket": "socket",
 }
-Per = Literal["job", "node", "task", "socket"]
 
 # GPU model names that sites commonly publish as node features; the admin config adds its own.
 KNOWN_GPU_FEATURES = frozenset(

@@ -5,11 +5,11 @@ may be abbreviated to any unambiguous prefix, an option with a required argument
 next word when no ``=`` is given, and an optional argument must be attached.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
+
+from slurmgpu.typing_lite import NamedTuple
 
 
 class Arg(Enum):
@@ -162,7 +162,7 @@ class OptionTable(NamedTuple):
     aliases: dict[str, str]
 
     @classmethod
-    def of(cls, specs: tuple[OptionSpec, ...], aliases: dict[str, str] | None = None) -> "OptionTable":
+    def of(cls, specs: tuple[OptionSpec, ...], aliases: dict[str, str] | None = None) -> OptionTable:
         return cls({s.name: s for s in specs}, {s.short: s for s in specs if s.short}, aliases or {})
 
 

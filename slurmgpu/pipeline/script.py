@@ -10,17 +10,16 @@ kept for ``pipeline.wrapper``, which translates them as sbatch does.
 Every word keeps its character span, so a rewrite can replace exactly the words it must.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 import bisect
 import itertools
 import re
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
+from slurmgpu.typing_lite import NamedTuple
 
 MAGIC = "#SBATCH"
 # gsbatch's own in-script options: sbatch ignores these lines, so a script that carries them still

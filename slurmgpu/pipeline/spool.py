@@ -12,14 +12,17 @@ never sees half a record. See docs/security.md, "Spools and the nightly account"
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import stat
 import time
 from collections.abc import Mapping
-from typing import Any
+
+from slurmgpu.typing_lite import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 # Version 2 (decision lineage) adds ``source`` ("gsbatch" or "lua"), ``script_text`` (the script's
 # UTF-8 text, whose sha256 is ``script_sha256``), ``model_version`` (Bundle.digest, or None) and, in
@@ -63,8 +66,10 @@ def atomic_write(path: str, data: bytes, mode: int, sync_directory: bool = True)
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
         raise
     if sync_directory:
         sync_dir(directory)
@@ -72,12 +77,14 @@ def atomic_write(path: str, data: bytes, mode: int, sync_directory: bool = True)
 
 def sync_dir(directory: str) -> None:
     """Make the renames into DIRECTORY durable (the files are complete either way)."""
-    with contextlib.suppress(OSError):
+    try:
         dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    except OSError:
+        pass
 
 
 def write_output(path: str, data: bytes, mode: int) -> None:

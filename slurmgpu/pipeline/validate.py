@@ -14,13 +14,16 @@ will, the request reader; nothing of the decision code.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.request import ComponentRequest, JobRequest, build_request, parse_gres
 from slurmgpu.pipeline.sbatch_options import OptionError, split_options
 from slurmgpu.pipeline.script import BatchScript, encode, parse_script
+from slurmgpu.typing_lite import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 GPU_OPTIONS = ("gres", "gpus", "gpus-per-node", "gpus-per-task", "gpus-per-socket")
 REWRITABLE = ("partition", *GPU_OPTIONS)  # the only options a rewrite may set

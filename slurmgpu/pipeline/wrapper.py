@@ -9,15 +9,14 @@ every option maps onto an sbatch option, some through ``-l``'s resource list (sr
 Slurm 22.05 and 24.11: the tables are the union, 24.11 adds ``#PBS -d``/``-w``).
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
 
 from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.sbatch_options import Arg, OptionError, OptionSpec, OptionTable, split_options
 from slurmgpu.pipeline.script import BatchScript, Word, tokenize
+from slurmgpu.typing_lite import NamedTuple
 
 _R, _N = Arg.REQUIRED, Arg.NONE
 PBS = OptionTable.of((

@@ -6,15 +6,15 @@ to one Slurm release). Submission always goes through sbatch itself, so users se
 own output and exit codes.
 """
 
-# No `from __future__ import annotations` in this module, on gsbatch's start-up path: text annotations of
-# NamedTuple fields are compiled when the class is made (tests/test_architecture.py says why that costs).
+from __future__ import annotations
 
 import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from slurmgpu.typing_lite import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -107,10 +107,10 @@ class SlurmBackend(Protocol):
 
     def cluster_name(self) -> str | None: ...
 
-    def accounting(self, since: "datetime | None" = None, until: "datetime | None" = None,
+    def accounting(self, since: datetime | None = None, until: datetime | None = None,
                    job_ids: Sequence[str] = ()) -> Iterator[str]: ...
 
-    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> "Submitted": ...
+    def submit(self, words: Sequence[str], env: Mapping[str, str], stdin: bytes | None = None) -> Submitted: ...
 
 
 class Submitted(NamedTuple):
@@ -192,7 +192,7 @@ class CliBackend:
         m = re.search(r"^ClusterName\s*=\s*(\S+)", self._run(["scontrol", "show", "config"]), re.MULTILINE)
         return m.group(1) if m else None
 
-    def accounting(self, since: "datetime | None" = None, until: "datetime | None" = None,
+    def accounting(self, since: datetime | None = None, until: datetime | None = None,
                    job_ids: Sequence[str] = ()) -> Iterator[str]:
         """sacct's lines (``sacct.LIVE_FIELDS``, ``sacct.LIVE_DELIMITER``, each job followed by its steps)
         for all users' jobs active in [since, until] (naive UTC), or for JOB_IDS whatever their times.
@@ -292,7 +292,7 @@ def _features(text: str) -> tuple[str, ...]:
     return tuple(f for f in text.split(",") if f and f != "(null)")
 
 
-def local_time(t: "datetime") -> str:
+def local_time(t: datetime) -> str:
     """Naive UTC to the local wall-clock time sacct and slurmdbd read (``2026-01-31T23:00:00``)."""
     from datetime import UTC
 
@@ -300,10 +300,12 @@ def local_time(t: "datetime") -> str:
 
 
 def which(command: str, env: Mapping[str, str]) -> str | None:
-    """COMMAND as the child's PATH finds it (as subprocess does), or None."""
+    """COMMAND as the child's PATH finds it (as subprocess does), or None. The PATH is split as
+    ``os.get_exec_path`` splits a str mapping's, without its import of warnings on gsbatch's path."""
     if os.sep in command:
         return command if os.access(command, os.X_OK) else None
-    for directory in os.get_exec_path(dict(env)):
+    path = env.get("PATH")
+    for directory in (os.defpath if path is None else path).split(os.pathsep):
         candidate = os.path.join(directory, command)
         if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
             return candidate
