@@ -30,10 +30,11 @@ REWRITTEN = "#!/bin/bash\n#SBATCH -p gpu-small --gres=gpu:a100:1\n#SBATCH -t 1\n
 # the daemon's answer, so none of the decision code (the plan maker, the policy, the model bundle,
 # script features, the rewrite and its Jinja templates) is needed; typing, tempfile, datetime and
 # contextlib cost a submission milliseconds of start-up and have light stand-ins on this path
-# (typing's: slurmgpu.typing_lite, whose NamedTuple classes are made without it).
+# (typing's: slurmgpu.typing_lite, whose NamedTuple classes are made without it); the translation
+# of #PBS and #BSUB lines loads only for a script that has some.
 DAEMON_PATH_NEVER = ("slurmgpu.pipeline.plan", "slurmgpu.pipeline.policy", "slurmgpu.pipeline.bundle",
                      "slurmgpu.pipeline.features", "slurmgpu.pipeline.rewrite", "jinja2", "typing", "tempfile",
-                     "datetime", "contextlib")
+                     "datetime", "contextlib", "slurmgpu.pipeline.wrapper")
 
 
 def import_cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]]:

@@ -18,7 +18,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
-from slurmgpu.pipeline import wrapper
 from slurmgpu.pipeline.errors import SBATCH_USAGE, InputError
 from slurmgpu.pipeline.sbatch_options import ENV_OPTIONS, OptionError, split_options
 from slurmgpu.pipeline.script import BatchScript
@@ -414,8 +413,12 @@ def build_request(
     features = KNOWN_GPU_FEATURES | {f.lower() for f in gpu_features}
     ncomp = script.components if script else 1
     components: list[ComponentRequest] = []
-    ignore_wrapper = script is None or wrapper.ignored({o.name: o for o in (*cli, *(
-        OptionValue(d.name, d.value, Origin("script")) for d in script.directives))}, env)
+    translate = False  # #PBS or #BSUB lines, and no --ignore-pbs: pipeline.wrapper is loaded for them alone
+    if script is not None and script.wrapper:
+        from slurmgpu.pipeline import wrapper
+
+        translate = not wrapper.ignored({o.name: o for o in (*cli, *(
+            OptionValue(d.name, d.value, Origin("script")) for d in script.directives))}, env)
     for index in range(ncomp):
         merged: dict[str, OptionValue] = {}
         if script:
@@ -424,7 +427,7 @@ def build_request(
                     merged[d.name] = OptionValue(d.name, d.value, Origin("script", line=d.line))
                 else:
                     unknown.append(d.name)
-        if script and not ignore_wrapper:  # after the directives, before the environment; every component
+        if script and translate:  # after the directives, before the environment; every component
             state = {k: v.value for k, v in merged.items()}
             for w in wrapper.translate(script, state):
                 span = (w.words[0].start, w.words[0].end) if w.words else None
