@@ -377,7 +377,7 @@ def _waivers(raw: list[Any], path: str) -> tuple[Waiver, ...]:
             if name is not None and not _NAME.match(name):
                 raise t._err(key, f"invalid name {name!r}")
         family = t.get("family", str)
-        if not FAMILY.match(family):
+        if not re.match(FAMILY, family):
             raise t._err("family", f"must be a family key (12 hex digits, as `slurmgpu parse --json` prints it), "
                                    f"got {family!r}")
         texts = {}

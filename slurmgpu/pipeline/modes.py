@@ -20,7 +20,6 @@ Nothing here reads the environment: what a user can set never changes the mode o
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
 from slurmgpu.typing_lite import TYPE_CHECKING, NamedTuple
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 
 REWRITE, ADVISE = "rewrite", "advise"
 MODES = (REWRITE, ADVISE)
-FAMILY = re.compile(r"^[0-9a-f]{12}$")
+FAMILY = r"^[0-9a-f]{12}$"  # a waiver's family key; compiled on first use (re caches it), most sites have none
 
 
 class Modes(NamedTuple):

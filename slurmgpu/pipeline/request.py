@@ -41,14 +41,15 @@ KNOWN_GPU_FEATURES = frozenset(
     "k80 p100 t4 v100 v100s a10 a30 a40 a100 a6000 l4 l40 l40s h100 h200 b200 gh200 mi100 mi210 mi250 mi300".split()
 )
 
-_COUNT = re.compile(r"^\d+$")
+# Patterns as text are compiled on first use (re caches them): most submissions need none of them.
+_COUNT = r"^\d+$"
 # A GPU count may carry a binary suffix, as Slurm's gres parser reads it: gpu:1k is 1024 GPUs.
 _GPU_COUNT = re.compile(r"^(\d+)([kmg]?)$", re.IGNORECASE)
 _TIME_DHMS = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _DAYS_ONLY = re.compile(r"^(\d+)-$")  # '1-': a day (time_str2mins reads the missing hours as 0)
-_MEM = re.compile(r"^(\d+)([KMGT]?)B?$", re.IGNORECASE)
+_MEM = r"(?i)^(\d+)([KMGT]?)B?$"
 # -N MIN[-MAX], each with an optional k/m suffix (get_resource_arg_range); 0 nodes is accepted.
-_NODES = re.compile(r"^(\d+)([km]?)(?:-(\d+)([km]?))?$", re.IGNORECASE)
+_NODES = r"(?i)^(\d+)([km]?)(?:-(\d+)([km]?))?$"
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
 
 
@@ -362,7 +363,7 @@ def parse_time(value: str, option: str = "--time") -> int | None:
 
 
 def parse_mem_mb(value: str, option: str) -> int:
-    m = _MEM.match(value)
+    m = re.match(_MEM, value)
     if not m:
         raise InputError(f"invalid memory size '{value}'", option=option, exit_code=SBATCH_USAGE)
     number, unit = int(m.group(1)), m.group(2).upper()
@@ -372,7 +373,7 @@ def parse_mem_mb(value: str, option: str) -> int:
 
 
 def parse_positive(value: str, option: str) -> int:
-    if not _COUNT.match(value) or int(value) == 0:
+    if not re.match(_COUNT, value) or int(value) == 0:
         raise InputError(f"invalid value '{value}' (expected a positive whole number)", option=option)
     return int(value)
 
@@ -498,7 +499,7 @@ def _component(index: int, opts: dict[str, OptionValue], features: frozenset[str
 
     nodes, nodes_max = 1, None
     if (n := val("nodes")) is not None:
-        m = _NODES.match(n)
+        m = re.match(_NODES, n)
         if not m:
             raise InputError(f"invalid node count '{n}'", option="--nodes", exit_code=SBATCH_USAGE)
         nodes = int(m.group(1)) * _SUFFIX[m.group(2).lower()]
@@ -774,7 +775,7 @@ def tally_gpus(comp: ComponentRequest) -> GpuTally:
     return GpuTally(tuple((r.type, r.total) for r in records), per_node, nodes, job.num_tasks, job.sockets_per_node)
 
 
-_ARRAY_RANGE = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")
+_ARRAY_RANGE = r"(\d+)(?:-(\d+)(?::(\d+))?)?"  # compiled on first use
 
 
 def array_tasks(spec: str | None) -> tuple[int, int]:
@@ -784,7 +785,7 @@ def array_tasks(spec: str | None) -> tuple[int, int]:
     body, _, limit = spec.partition("%")
     tasks = 0
     for part in body.split(","):
-        m = _ARRAY_RANGE.fullmatch(part.strip())
+        m = re.fullmatch(_ARRAY_RANGE, part.strip())
         if m is None:
             return 1, 0
         first, last, step = int(m[1]), int(m[2] or m[1]), int(m[3] or 1)

@@ -28,7 +28,8 @@ GS_MAGIC = "#GSBATCH"
 GS_OPTIONS = ("--no-rewrite", "--gpu-mem")
 GPU_MEM = "--gpu-mem"  # --gpu-mem=SIZE: a GPU type with at least that much memory per GPU
 # The first opt-out spelling; sbatch 22.05 refuses a script with it ("Change from #SLURM to #SBATCH").
-LEGACY_KEEP = re.compile(r"^#SLURMGPU[ \t]+keep\b", re.MULTILINE)
+# Compiled on first use (re caches it): only a script holding "#SLURMGPU" is searched for it.
+LEGACY_KEEP = r"(?m)^#SLURMGPU[ \t]+keep\b"
 _LOOKS_LIKE_DIRECTIVE = re.compile(r"^[ \t]*#+[ \t]*sbatch", re.IGNORECASE)
 _HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)  # as a line's first word
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace(), not Unicode's
@@ -316,7 +317,7 @@ def parse_script(data: bytes, path: str = "<stdin>") -> BatchScript:
         first_command_line=first_command,
         line_starts=tuple(starts),
         gsbatch_options=tuple(dict.fromkeys(gs_options)),
-        legacy_keep="#SLURMGPU" in text and bool(LEGACY_KEEP.search(text)),  # the substring test is C's
+        legacy_keep="#SLURMGPU" in text and bool(re.search(LEGACY_KEEP, text)),  # the substring test is C's
         gpu_mem=gs_values.get(GPU_MEM),
         wrapper=wrapper,
         wrapper_lines=tuple(wrappers[wrapper]) if wrapper else (),
