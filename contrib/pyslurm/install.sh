@@ -15,6 +15,20 @@ vendor=${PYSLURM_VENDOR:-$here/../shared/vendor/pyslurm}
 
 skip() { echo "pyslurm: $1; not installed (slurmgpu uses the Slurm command-line tools)"; exit 0; }
 
+# pyslurm links against libslurm.so.<N> and builds against slurm.h: Debian's slurm-wlm ships neither
+# (its daemons use a private libslurmfull), libslurm-dev brings both. $1 says what needs it.
+need_libslurm() {
+  if [ -f /usr/include/slurm/slurm.h ] && ls /usr/lib/*/libslurm.so.* /usr/lib64/libslurm.so.* >/dev/null 2>&1; then
+    return 0
+  fi
+  if [ "$(id -u)" = 0 ] && [ "${SLURMGPU_PYSLURM_APT:-yes}" != no ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libslurm-dev >/dev/null 2>&1 \
+      || skip "libslurm-dev (needed by $1) did not install"
+  else
+    skip "$1 needs libslurm-dev (install it as root)"
+  fi
+}
+
 [ -x "$py" ] || skip "no Python at $py"
 command -v sinfo >/dev/null 2>&1 || skip "no sinfo on PATH, the running Slurm's version is unknown"
 slurm=$(sinfo --version 2>/dev/null | awk '{print $NF}')
@@ -35,19 +49,13 @@ pytag=$("$py" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 arch=$(uname -m)
 wheel=$(ls "$vendor"/pyslurm-"$tag".*-"$pytag"-"$pytag"-linux_"$arch".whl 2>/dev/null | sort -V | tail -n 1)
 if [ -n "$wheel" ]; then
+  need_libslurm "$(basename "$wheel")"
   "$py" -m pip install -q --no-index --no-deps --force-reinstall "$wheel" >/dev/null 2>&1 \
     || skip "the wheel $(basename "$wheel") did not install"
 else
   src=$(ls "$vendor"/pyslurm-"$tag".*.tar.gz 2>/dev/null | sort -V | tail -n 1)
   [ -n "$src" ] || skip "no wheel or source for Slurm $slurm ($tag.x) and Python $pytag in $vendor"
-  if [ ! -f /usr/include/slurm/slurm.h ]; then
-    if [ "$(id -u)" = 0 ] && [ "${SLURMGPU_PYSLURM_APT:-yes}" != no ] && command -v apt-get >/dev/null 2>&1; then
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q libslurm-dev >/dev/null 2>&1 \
-        || skip "libslurm-dev (needed to build $(basename "$src")) did not install"
-    else
-      skip "building $(basename "$src") needs libslurm-dev (install it as root)"
-    fi
-  fi
+  need_libslurm "building $(basename "$src")"
   work=$(mktemp -d) || skip "no temporary directory"
   trap 'rm -rf "$work"' EXIT
   tar xzf "$src" -C "$work" || skip "cannot unpack $(basename "$src")"
