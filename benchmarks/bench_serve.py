@@ -6,7 +6,10 @@ tests' synthetic history (400 trees, the training default). Each client opens a 
 request, as job_submit.lua does, and sends at a fixed pace for a bounded time; the jobs cycle
 through a pool of families, batch sizes and GPU requests. Clients run on the same machine as the
 daemon. Targets on this project's 2-core machine: p99 under 5 ms at 1,000 requests/s with the
-model. No cluster needed (without one the daemon ranks by runtime alone).
+model. No cluster needed (without one the daemon ranks by runtime alone). The daemon records each
+decision in a submission spool on this machine's disk, as a site's daemon does; the records column
+counts the record files against the requests the daemon answered (a record dropped or not written
+shows there).
 
 Usage: make bench, or RATES=200,1000,2000 DURATION=10 CLIENTS=4 WORKERS=2 DECIDERS=rules,model
 python bench_serve.py (WORKERS: 1 is one process; default one per core, as `serve` does).
@@ -76,8 +79,11 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
     config_path.write_text(re.sub(r'(?m)^decider = "\w+"', f'decider = "{decider}"', sample))
     exe = shutil.which("slurmgpu") or str(BIN / "slurmgpu")
     log = log_path.open("w")
+    spool = Path(tmp) / "submissions"
+    spool.mkdir()
     daemon = subprocess.Popen([exe, "--config", str(config_path), "serve", "--socket", sock, "--group", "",
-                               "--slurm-user", "", "--model", str(model), "--workers", str(workers)], stderr=log)
+                               "--slurm-user", "", "--model", str(model), "--workers", str(workers)], stderr=log,
+                              env={**os.environ, "SLURMGPU_SUBMISSION_SPOOL": str(spool)})
     try:
         deadline = time.monotonic() + 60
         while serve.call(sock, {"op": "health"}) is None:
@@ -95,9 +101,10 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
         elapsed, cpu = time.time() - start, cpu_seconds(daemon.pid) - cpu0
     finally:
         daemon.terminate()
-        daemon.wait(10)
+        daemon.wait(60)  # the workers write the records still queued
         log.close()
         handled = [float(x) for x in re.findall(r"latency_ms=([0-9.]+)", log_path.read_text())][len(pool):]
+        records = sum(1 for name in os.listdir(spool) if name.startswith("sub-")) - len(pool)
         shutil.rmtree(tmp, ignore_errors=True)
     latencies = sorted(x * 1e3 for lat, _ in results for x in lat)
     q, inside = statistics.quantiles(latencies, n=100), statistics.quantiles(handled, n=100)
@@ -105,7 +112,8 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
             "requests": len(latencies), "failures": sum(f for _, f in results),
             "achieved_rps": len(latencies) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "max_ms": latencies[-1],
             "in_daemon_p50_ms": inside[49], "in_daemon_p99_ms": inside[98],
-            "daemon_cpu_ms_per_request": cpu * 1e3 / len(handled), "distinct_jobs": len(pool)}
+            "daemon_cpu_ms_per_request": cpu * 1e3 / len(handled), "distinct_jobs": len(pool),
+            "answered": len(handled), "records": records}
 
 
 def hostile(n: int = 8) -> dict:
@@ -186,10 +194,10 @@ elif __name__ == "__main__":
     out.mkdir(exist_ok=True)
     (out / "serve.json").write_text(json.dumps(results, indent=2))
     print("| decider | workers | clients | req/s (offered) | requests | failures | p50 | p99 | max "
-          "| in daemon p50 / p99 | daemon CPU/request |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| in daemon p50 / p99 | daemon CPU/request | records / answered |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['decider']} | {r['workers']} | {r['clients']} | {r['achieved_rps']:.1f} ({r['target_rps']:.0f}) | "
               f"{r['requests']} | {r['failures']} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
               f"{r['max_ms']:.1f} ms | {r['in_daemon_p50_ms']:.2f} / {r['in_daemon_p99_ms']:.2f} ms | "
-              f"{r['daemon_cpu_ms_per_request']:.2f} ms |")
+              f"{r['daemon_cpu_ms_per_request']:.2f} ms | {r['records']} / {r['answered']} |")
