@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slurmgpu.pipeline.features import family_key, model_size_b, script_features
+from slurmgpu.pipeline.features import HELD, RATE, HistoryStats, family_key, keys_at, model_size_b, script_features
 
 RESNET = "python train.py --arch {arch} --batch-size {batch} --lr {lr} --data /scratch/{user}/imagenet"
 LLAMA = "torchrun --nproc_per_node={n} sft.py --model_name_or_path {path} --per_device_train_batch_size {b}"
@@ -55,3 +55,23 @@ def test_deeper_model_reads_larger_in_the_script() -> None:
 def test_a_command_with_a_byte_that_is_not_utf8_has_a_family() -> None:
     script = b"#!/bin/bash\npython train.py --data /scratch/caf\xe9 --batch-size 8\n".decode("utf-8", "surrogateescape")
     assert len(script_features(script)["family"]) == 12
+
+
+def test_a_familys_keys_by_shape_are_the_keys_a_scan_finds() -> None:
+    """A decision reads a family's speeds shape by shape from its grouped keys (``keys_at``): the same
+    keys and values, in the same order, as a scan of every key, for any prefix (one holding an "@"
+    before its end, or none, included); and the outcomes ``held_bound_gib`` reads once are the ones
+    it read from the keys."""
+    stats = {f"{RATE}1xa100@64": -1.0, "n": 3, f"{RATE}1xa100@128": -2.0, f"{RATE}2xa100@64": -3.0,
+             f"{RATE}1xa100": -1.5, f"{RATE}1xa@100@64": -4.0, f"{RATE}1xa100@64@x": -5.0,
+             f"{HELD}40:1": 8.0, f"{HELD}80:2": 9.0, f"{HELD}24:1": 7.0}
+    history = HistoryStats({"f": stats})
+    fam = history.family("f")
+    for prefix in (f"{RATE}1xa100@", f"{RATE}2xa100@", f"{RATE}1xa@", f"{RATE}1xa@100@", f"{RATE}1xv100@", "n@"):
+        assert keys_at(fam, prefix) == keys_at(dict(stats), prefix) == \
+            [(k, v) for k, v in stats.items() if k.startswith(prefix)]
+    assert keys_at(fam, f"{RATE}1xa100@") == [(f"{RATE}1xa100@64", -1.0), (f"{RATE}1xa100@128", -2.0),
+                                            (f"{RATE}1xa100@64@x", -5.0)]
+    assert [history.held_bound_gib("f", t, g) for t, g in ((7.5, 1), (7.5, 2), (8.5, 1), (8.5, 2), (9.5, 2))] == \
+        [40.0, 40.0, None, 80.0, None]
+    assert history.held_bound_gib("other", 1.0, 8) is None and history.family("other") == {}

@@ -310,6 +310,36 @@ def rate_keys(gpus: int, gpu_type: str, log_tokens: float) -> tuple[str, str]:
     return f"{gpus}x{gpu_type}@{round(math.exp(min(log_tokens, MAX_LOG)))}", f"{gpus}x{gpu_type}"
 
 
+class Family(dict[str, Any]):
+    """One family's statistics, its "<shape>@<tokens>" keys grouped by shape on first use: a decision
+    looks up the family's speeds shape by shape, and a scan of all its keys per shape was a tenth of
+    the daemon's decision. Read-only once made (the grouping is not redone)."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, stats: Mapping[str, Any]) -> None:
+        super().__init__(stats)
+        self._at: dict[str, list[tuple[str, Any]]] | None = None
+
+    def grouped(self) -> dict[str, list[tuple[str, Any]]]:
+        """Each key holding "@", with its value, under the key's start up to its first "@" (in order)."""
+        if self._at is None:
+            self._at = {}
+            for key, value in self.items():
+                at = key.find("@")
+                if at >= 0:
+                    self._at.setdefault(key[:at + 1], []).append((key, value))
+        return self._at
+
+
+def keys_at(fam: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """(key, value) of the family's keys that start with PREFIX (which ends in "@"), in the family's
+    order; from a ``Family``'s grouping where PREFIX holds no other "@"."""
+    if isinstance(fam, Family) and prefix.find("@") == len(prefix) - 1:
+        return fam.grouped().get(prefix, [])
+    return [(k, v) for k, v in fam.items() if k.startswith(prefix)]
+
+
 class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
@@ -317,9 +347,14 @@ class HistoryStats:
                  archs: Mapping[str, list[str]] | None = None) -> None:
         self.families = dict(families or {})
         self.archs = dict(archs or {})  # architecture (arch_key) -> the families of its models
+        self._family: dict[str, Family] = {}  # made on first use: training reads a few of many
+        self._held: dict[str, list[tuple[int, float, float]]] = {}
 
     def family(self, key: str) -> Mapping[str, float]:
-        return self.families.get(key, {})
+        fam = self._family.get(key)
+        if fam is None:
+            fam = self._family[key] = Family(self.families.get(key, {}))
+        return fam
 
     def siblings(self, script_feats: Mapping[str, Any]) -> list[Mapping[str, float]]:
         """Statistics of the other families of the job's architecture (other sizes of its model)."""
@@ -330,13 +365,11 @@ class HistoryStats:
         """The smallest card (GiB) on which a run of family KEY with at least these tokens per GPU
         held on at most ``gpus`` GPUs (more GPUs never need more memory each: data-parallel copies
         are the same size, sharded state shrinks); None when no outcome covers the job."""
-        sizes = []
-        for name, most in self.family(key).items():
-            if name.startswith(HELD):
-                _, gib, count = name.split(":")
-                if int(count) <= gpus and float(most) >= log_tokens - 1e-9:
-                    sizes.append(float(gib))
-        return min(sizes, default=None)
+        held = self._held.get(key)
+        if held is None:  # (GPUs, tokens, card GiB) of each outcome, parsed once
+            held = self._held[key] = [(int(count), float(most), float(gib)) for name, most in self.family(key).items()
+                                      if name.startswith(HELD) for _, gib, count in [name.split(":")]]
+        return min((gib for count, most, gib in held if count <= gpus and most >= log_tokens - 1e-9), default=None)
 
 
 def util_bound(fam: Mapping[str, Any], gpu_type: str) -> tuple[float, int] | None:

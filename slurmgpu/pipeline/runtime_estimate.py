@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from slurmgpu.pipeline.config import Config, GpuType
-from slurmgpu.pipeline.features import RATE, RATE_N, rate_keys
+from slurmgpu.pipeline.features import RATE, RATE_N, keys_at, rate_keys
 
 # The datasheet's weight against a family's measured speed slope, in squared log speed: a family
 # measured on two cards 1.6x apart (a V100 and an A10, say) counts as much as the datasheet.
@@ -141,7 +141,7 @@ def measured_ratio(fam: Mapping[str, Any], shape: tuple[str, int], asked: tuple[
     else:
         new_at, old_at = new[:new.index("@") + 1], old[:old.index("@") + 1]
         pairs = [(float(v) - float(fam[old_at + k[len(new_at):]]), runs(k), runs(old_at + k[len(new_at):]))
-                 for k, v in fam.items() if k.startswith(new_at) and old_at + k[len(new_at):] in fam]
+                 for k, v in keys_at(fam, new_at) if old_at + k[len(new_at):] in fam]
     if not pairs:
         return None
     ratio = sum(p for p, _, _ in pairs) / len(pairs)
@@ -156,7 +156,7 @@ def speed_points(config: Config, fam: Mapping[str, Any], gpus: int) -> list[tupl
     for name, t in config.gpu_types.items():
         at = f"{RATE}{gpus}x{name}@"
         points += [(math.log(max(t.relative_speed, 1e-9)), math.log(max(float(key[len(at):]), 1.0)), -float(v))
-                   for key, v in fam.items() if key.startswith(at)]
+                   for key, v in keys_at(fam, at)]
     return points
 
 
