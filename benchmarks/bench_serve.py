@@ -9,7 +9,9 @@ daemon. Targets on this project's 2-core machine: p99 under 5 ms at 1,000 reques
 model. No cluster needed (without one the daemon ranks by runtime alone). The daemon records each
 decision in a submission spool on this machine's disk, as a site's daemon does; the records column
 counts the record files against the requests the daemon answered (a record dropped or not written
-shows there).
+shows there). The daemon's CPU is read once its record files stop growing, so the CPU of writing
+each request's record counts, however far the writer fell behind (the seconds it took after the
+clients stopped are in serve.json).
 
 Usage: make bench, or RATES=200,1000,2000 DURATION=10 CLIENTS=4 WORKERS=2 DECIDERS=rules,model
 python bench_serve.py (WORKERS: 1 is one process; default one per core, as `serve` does).
@@ -98,7 +100,9 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
             futures = [ex.submit(client, sock, pool, i * 7, rate / clients, seconds, start + i / rate)
                        for i in range(clients)]
             results = [f.result() for f in futures]
-        elapsed, cpu = time.time() - start, cpu_seconds(daemon.pid) - cpu0
+        elapsed = time.time() - start
+        backlog_s = written(spool)  # the records still queued when the clients stopped: their CPU counts
+        cpu = cpu_seconds(daemon.pid) - cpu0
     finally:
         daemon.terminate()
         daemon.wait(60)  # the workers write the records still queued
@@ -113,7 +117,18 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
             "achieved_rps": len(latencies) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "max_ms": latencies[-1],
             "in_daemon_p50_ms": inside[49], "in_daemon_p99_ms": inside[98],
             "daemon_cpu_ms_per_request": cpu * 1e3 / len(handled), "distinct_jobs": len(pool),
-            "answered": len(handled), "records": records}
+            "answered": len(handled), "records": records, "record_backlog_s": backlog_s}
+
+
+def written(spool: Path) -> float:
+    """Seconds until the daemon's record files stop growing in number (none for a second)."""
+    t0, count, still = time.monotonic(), -1, time.monotonic()
+    while time.monotonic() - still < 1.0 and time.monotonic() - t0 < 60:
+        now = len(os.listdir(spool))
+        if now != count:
+            count, still = now, time.monotonic()
+        time.sleep(0.1)
+    return still - t0
 
 
 def hostile(n: int = 8) -> dict:
@@ -194,10 +209,11 @@ elif __name__ == "__main__":
     out.mkdir(exist_ok=True)
     (out / "serve.json").write_text(json.dumps(results, indent=2))
     print("| decider | workers | clients | req/s (offered) | requests | failures | p50 | p99 | max "
-          "| in daemon p50 / p99 | daemon CPU/request | records / answered |")
+          "| in daemon p50 / p99 | daemon CPU/request | records / answered (written after) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['decider']} | {r['workers']} | {r['clients']} | {r['achieved_rps']:.1f} ({r['target_rps']:.0f}) | "
               f"{r['requests']} | {r['failures']} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
               f"{r['max_ms']:.1f} ms | {r['in_daemon_p50_ms']:.2f} / {r['in_daemon_p99_ms']:.2f} ms | "
-              f"{r['daemon_cpu_ms_per_request']:.2f} ms | {r['records']} / {r['answered']} |")
+              f"{r['daemon_cpu_ms_per_request']:.2f} ms | {r['records']} / {r['answered']} "
+              f"({r['record_backlog_s']:.1f} s) |")
