@@ -566,7 +566,7 @@ def test_a_full_disk_for_the_record_keeps_sbatchs_exit_code(tmp_path: Path, monk
 
     from slurmgpu.pipeline import spool
 
-    def no_space(path: str, data: bytes, mode: int, sync_directory: bool = True) -> None:
+    def no_space(path: str, data: bytes, mode: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(spool, "atomic_write", no_space)
