@@ -356,8 +356,8 @@ class DecisionRecords:
     def _run(self) -> None:
         """Write what is queued in batches of up to BATCH records, with one flush of the spool's
         filesystem and one fsync of the directory for the batch (``write_files``), not an fsync per
-        record: 2,000 records a second where an fsync each gave 150-300 on this project's shared
-        machine, fewer than the daemon answers under load (a full queue then dropped records)."""
+        record: 950-1,450 records a second built and written on this project's shared machine, where
+        an fsync each gave about 210, fewer than the daemon answers under load."""
         while True:
             batch = [self.pending.get()]
             while batch[-1] is not None and len(batch) < self.BATCH:
