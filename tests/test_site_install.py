@@ -250,6 +250,7 @@ def test_without_a_matching_pyslurm_the_install_goes_on_and_the_commands_use_the
     assert again.returncode == 0, again.stderr[-3000:]
     said = [ln for ln in again.stdout.splitlines() if ln.startswith("pyslurm:")]
     assert len(said) == 1 and "no wheel or source" in said[0] and str(empty) in said[0], again.stdout
-    assert backend_line(site) == "OK command-line tools (pyslurm is not importable; make pyslurm installs it)"
+    assert backend_line(site) == ("OK command-line tools (pyslurm is not importable (No module named 'pyslurm'); "
+                                  "make pyslurm installs it in a checkout, make site-install in a site)")
     test_only = as_user(site, "gsbatch", "--test-only", str(script))
     assert test_only.returncode == 0 and re.search(r"sbatch: Job \d+ to start at", test_only.stderr), test_only

@@ -337,8 +337,9 @@ def choose_backend(env: Mapping[str, str] | None = None) -> Choice:
         return Choice(cli, "sinfo is not on PATH")
     try:
         import pyslurm
-    except ImportError:
-        return Choice(cli, "pyslurm is not importable; make pyslurm installs it")
+    except ImportError as exc:  # not installed, or its libslurm missing: the error says which
+        return Choice(cli, f"pyslurm is not importable ({exc}); make pyslurm installs it in a checkout, "
+                           "make site-install in a site")
     try:
         running = cli.version()
     except SlurmError as exc:
