@@ -202,7 +202,7 @@ def test_a_user_reads_seff_of_their_job_through_the_daemon(site: Path, script: P
     ran = as_user(site, "gsbatch", "--wait", "--parsable", str(quick))  # seff needs a job sacct knows
     assert ran.returncode == 0, ran.stderr
     job = ran.stdout.strip().split(";")[0]
-    _until_accounted(job)
+    _until_accounted(job, ended=True)
     rundir = site / "run"
     rundir.mkdir(mode=0o755)
     sock = rundir / "slurmgpu.sock"
@@ -230,11 +230,13 @@ def test_a_user_reads_seff_of_their_job_through_the_daemon(site: Path, script: P
         serve.wait(timeout=10)
 
 
-def _until_accounted(job: str) -> None:
-    """Wait (10 s at most) until slurmdbd has the job: seff reads it from sacct."""
+def _until_accounted(job: str, ended: bool = False) -> None:
+    """Wait (10 s at most) until slurmdbd has the job (ENDED: and its end, which a job that has just
+    finished gets a moment after its row): seff reads it from sacct."""
     for _ in range(50):
-        known = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "JobID"], capture_output=True, text=True)
-        if known.stdout.strip():
+        known = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "JobID,End"], capture_output=True,
+                               text=True).stdout.strip()
+        if known and (not ended or known.split("|")[-1] not in ("", "Unknown")):
             return
         time.sleep(0.2)
 
