@@ -75,3 +75,13 @@ def test_a_familys_keys_by_shape_are_the_keys_a_scan_finds() -> None:
     assert [history.held_bound_gib("f", t, g) for t, g in ((7.5, 1), (7.5, 2), (8.5, 1), (8.5, 2), (9.5, 2))] == \
         [40.0, 40.0, None, 80.0, None]
     assert history.held_bound_gib("other", 1.0, 8) is None and history.family("other") == {}
+
+
+def test_asking_about_families_the_history_lacks_keeps_nothing() -> None:
+    """A daemon is asked about any family users write: no entry is kept for one the history lacks."""
+    history = HistoryStats({"known": {"n": 3.0, "held:40:1": 9.0}})
+    for i in range(1000):
+        assert history.family(f"unknown{i}") == {}
+        assert history.held_bound_gib(f"unknown{i}", 1.0, 1) is None
+    assert history.held_bound_gib("known", 1.0, 1) == 40.0
+    assert set(history._family) == {"known"} and set(history._held) == {"known"}

@@ -340,6 +340,9 @@ def keys_at(fam: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in fam.items() if k.startswith(prefix)]
 
 
+_NO_FAMILY = Family({})  # what a family the history does not hold reads as
+
+
 class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
@@ -351,9 +354,13 @@ class HistoryStats:
         self._held: dict[str, list[tuple[int, float, float]]] = {}
 
     def family(self, key: str) -> Mapping[str, float]:
+        """A family's statistics; only a family the history holds is kept (a daemon is asked about
+        any family users write, and an empty entry per unknown one would grow without bound)."""
         fam = self._family.get(key)
         if fam is None:
-            fam = self._family[key] = Family(self.families.get(key, {}))
+            if key not in self.families:
+                return _NO_FAMILY
+            fam = self._family[key] = Family(self.families[key])
         return fam
 
     def siblings(self, script_feats: Mapping[str, Any]) -> list[Mapping[str, float]]:
@@ -365,6 +372,8 @@ class HistoryStats:
         """The smallest card (GiB) on which a run of family KEY with at least these tokens per GPU
         held on at most ``gpus`` GPUs (more GPUs never need more memory each: data-parallel copies
         are the same size, sharded state shrinks); None when no outcome covers the job."""
+        if key not in self.families:
+            return None
         held = self._held.get(key)
         if held is None:  # (GPUs, tokens, card GiB) of each outcome, parsed once
             held = self._held[key] = [(int(count), float(most), float(gib)) for name, most in self.family(key).items()
