@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+DISTINCT = os.environ.get("DISTINCT") == "1"  # every request line unique: no decision is reused
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_models import FAMILIES, history, script_for  # noqa: E402
@@ -44,7 +45,9 @@ from slurmgpu.pipeline.config import load_config  # noqa: E402
 
 
 def jobs() -> list[dict]:
-    """Distinct decide requests: every family, batch size and a few GPU asks and partitions."""
+    """Distinct decide requests: every family, batch size and a few GPU asks and partitions. The
+    clients cycle through them, so each line comes back within a second: the daemon reuses its
+    decision (serve.REUSE_S) unless ``DISTINCT=1`` makes every line sent unique (``client``)."""
     asks = [("gres:gpu:a100:4", None), ("gres:gpu:a100:1", "gpu"), ("gres:gpu:v100:2", "gpu"),
             ("gres:gpu:t4:1", "gpu-small"), ("gres:gpu:2", None)]
     pool = []
@@ -64,7 +67,10 @@ def client(socket_path: str, pool: list[dict], offset: int, rate: float, seconds
         due = start + k * interval
         time.sleep(max(due - time.time(), 0))
         t0 = time.perf_counter()
-        decision = serve.ask(socket_path, pool[(offset + k) % len(pool)], timeout_s=1.0)
+        job = pool[(offset + k) % len(pool)]
+        if DISTINCT:  # another job name: the same decision, but a line the daemon has not seen
+            job = {**job, "name": f"{offset}-{k}-{job['name']}"}
+        decision = serve.ask(socket_path, job, timeout_s=1.0)
         if decision is None:
             failures += 1
         else:
@@ -107,7 +113,9 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
         daemon.terminate()
         daemon.wait(60)  # the workers write the records still queued
         log.close()
-        handled = [float(x) for x in re.findall(r"latency_ms=([0-9.]+)", log_path.read_text())][len(pool):]
+        lines = log_path.read_text().splitlines()
+        handled = [float(x) for line in lines for x in re.findall(r"latency_ms=([0-9.]+)", line)][len(pool):]
+        reused = sum(1 for line in lines if " reused=" in line and "latency_ms=" in line)
         records = sum(1 for name in os.listdir(spool) if name.startswith("sub-")) - len(pool)
         shutil.rmtree(tmp, ignore_errors=True)
     latencies = sorted(x * 1e3 for lat, _ in results for x in lat)
@@ -117,7 +125,8 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
             "achieved_rps": len(latencies) / elapsed, "p50_ms": q[49], "p99_ms": q[98], "max_ms": latencies[-1],
             "in_daemon_p50_ms": inside[49], "in_daemon_p99_ms": inside[98],
             "daemon_cpu_ms_per_request": cpu * 1e3 / len(handled), "distinct_jobs": len(pool),
-            "answered": len(handled), "records": records, "record_backlog_s": backlog_s}
+            "answered": len(handled), "records": records, "record_backlog_s": backlog_s,
+            "reused": reused, "distinct_lines": DISTINCT}
 
 
 def written(spool: Path) -> float:
@@ -209,11 +218,11 @@ elif __name__ == "__main__":
     out.mkdir(exist_ok=True)
     (out / "serve.json").write_text(json.dumps(results, indent=2))
     print("| decider | workers | clients | req/s (offered) | requests | failures | p50 | p99 | max "
-          "| in daemon p50 / p99 | daemon CPU/request | records / answered (written after) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| in daemon p50 / p99 | daemon CPU/request | records / answered (written after) | reused |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['decider']} | {r['workers']} | {r['clients']} | {r['achieved_rps']:.1f} ({r['target_rps']:.0f}) | "
               f"{r['requests']} | {r['failures']} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
               f"{r['max_ms']:.1f} ms | {r['in_daemon_p50_ms']:.2f} / {r['in_daemon_p99_ms']:.2f} ms | "
               f"{r['daemon_cpu_ms_per_request']:.2f} ms | {r['records']} / {r['answered']} "
-              f"({r['record_backlog_s']:.1f} s) |")
+              f"({r['record_backlog_s']:.1f} s) | {r['reused'] / max(r['answered'], 1):.0%} |")

@@ -331,6 +331,30 @@ def test_the_daemon_records_the_hooks_decisions_and_the_tag_links_the_job(db_url
     assert (again.files_duplicate, again.files_rejected) == (1, []) and not list(spool_dir.iterdir())
 
 
+def test_a_burst_of_one_request_is_decided_once_and_each_job_keeps_its_own_record(
+        model_file: Path, spool_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    service = serve.Service(with_model(load_config(SAMPLE)), str(model_file), free_gpus=lambda: BUSY_A100,
+                            record_spool=str(spool_dir))
+    service.free = dict(BUSY_A100)
+    slurmctld = serve.Peer(1, 0, 0, trusted=True)
+    line = json.dumps({"op": "decide", "job": hook_job()}).encode()
+    first, second = (service.handle(line, slurmctld)["decision"] for _ in range(2))
+    assert service.reused == 1 and service.health()["reused"] == 1
+    assert first["id"] != second["id"] and first["tag"].replace(first["id"], second["id"]) == second["tag"]
+    same = {k: v for k, v in first.items() if k not in ("id", "tag")}
+    assert same == {k: v for k, v in second.items() if k not in ("id", "tag")} and first["changes"]
+    assert service.records is not None and service.records.flush() and service.records.written == 2
+    assert sorted(json.loads(p.read_bytes())["decision"]["id"] for p in spool_dir.iterdir()) == \
+        sorted([first["id"], second["id"]])
+    # Another user's identical line, another view of the cluster, or an older decision: decided anew.
+    service.handle(line.replace(b'"user_id": 1234', b'"user_id": 1235'), slurmctld)
+    service.free = {**BUSY_A100, "a100": 4}
+    service.handle(line, slurmctld)
+    monkeypatch.setattr(serve, "REUSE_S", 0.0)
+    service.handle(line, slurmctld)
+    assert service.reused == 1
+
+
 def test_a_tag_on_two_jobs_links_neither(tmp_path: Path, spool_dir: Path) -> None:
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)

@@ -110,6 +110,12 @@ from slurmgpu.pipeline.spool import SOURCES, new_record, record_file, record_mod
 from slurmgpu.slurm.partitions import PartitionRules, user_groups
 
 FREE_GPUS_EVERY_S = 10.0
+# A decision is reused for the same request line from the same user while the daemon's view (model,
+# queue, idle GPUs, partition rules, users, date) is the one it was made with, for at most this long:
+# a burst of one script (sbatch in a loop) is decided once a second, not once per job. The waits it
+# used age by that second at most; the queue view itself is up to FREE_GPUS_EVERY_S old.
+REUSE_S = 1.0
+REUSE_BYTES = 16 << 20  # request bytes held for reuse per process, at most: past it the store is emptied
 HISTORY_OPS = ("seff", "jobs", "report")
 DECISION_SOURCES = {"decide": "hook", "plan": "gsbatch"}  # op -> its metrics label (apps.metrics)
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
@@ -469,6 +475,11 @@ class Service:
         self.stopped = threading.Event()
         self.today: Callable[[], date] = date.today  # waivers expire by this clock (tests freeze it)
         self.watch_model = True  # False in a worker of serve_workers: its supervisor reloads the model
+        # (line, who) -> (when, view, reply before its record, request, job): see REUSE_S
+        self.recent: dict[tuple[bytes, Who], tuple[float, tuple[Any, ...], dict[str, Any], JobRequest,
+                                                   Mapping[str, Any]]] = {}
+        self.recent_bytes = 0
+        self.reused = 0  # decide requests answered with a reused decision (health)
         if self.model_path and not self.check_model():
             log.warning("no usable model yet (%s): requests are kept as written until one appears", self.model.error)
 
@@ -580,6 +591,45 @@ class Service:
                        record: bool = False) -> tuple[dict[str, Any], JobRequest]:
         """``decide``, and the job's request as read (what the metrics compare the decision with)."""
         who = who or identify(job, None)
+        out, request = self.unrecorded(job, who)
+        return self.recorded(out, job, request, who, record), request
+
+    def view(self) -> tuple[Any, ...]:
+        """What a decision depends on besides the request and its user (compared by identity: each
+        refresh or reload replaces these objects)."""
+        return self.model, self.ledger, self.free, self.partitions, self.users, self.fixed, self.today()
+
+    def decide_line(self, line: bytes, job: Mapping[str, Any], who: Who,
+                    record: bool) -> tuple[dict[str, Any], JobRequest, bool]:
+        """``decide_request`` for a request line, reusing the decision made for the same line and user
+        under the same view less than REUSE_S ago (the third item: whether it was); each answer still
+        has its own record and id."""
+        key, now, view = (line, who), time.monotonic(), self.view()
+        hit = self.recent.get(key)
+        if hit is not None and now - hit[0] < REUSE_S and \
+                all(a is b or a == b for a, b in zip(hit[1], view, strict=True)):
+            self.reused += 1
+            _, _, out, request, job = hit
+            return self.recorded(dict(out), job, request, who, record), request, True
+        out, request = self.unrecorded(job, who)
+        if self.recent_bytes + len(line) > REUSE_BYTES:
+            self.recent.clear()
+            self.recent_bytes = 0
+        if hit is None:
+            self.recent_bytes += len(line)
+        self.recent[key] = (now, view, out, request, job)
+        return self.recorded(dict(out), job, request, who, record), request, False
+
+    def recorded(self, out: dict[str, Any], job: Mapping[str, Any], request: JobRequest, who: Who,
+                 record: bool) -> dict[str, Any]:
+        """The reply, with its decision id and tag once its record is queued (``record``, when this
+        daemon records)."""
+        if record and self.records is not None:
+            return self.records.add(out, job, request, who)
+        return out
+
+    def unrecorded(self, job: Mapping[str, Any], who: Who) -> tuple[dict[str, Any], JobRequest]:
+        """The decision for a job, under the mode and waivers, before any record is made of it."""
         request = job_request(job, self.features)
         script = request.script
         version = None
@@ -599,8 +649,6 @@ class Service:
         out = {**decision.to_json(), "request": describe(request.main), "apply": apply}
         out = self.moderated(out, job, request, who)
         out["model_version"] = version if out.get("decider") == "model" else None
-        if record and self.records is not None:
-            out = self.records.add(out, job, request, who)
         return out, request
 
     def resolution(self, who: Who, account: Any, partition: Any,
@@ -646,6 +694,7 @@ class Service:
             "records": None if self.records is None else {
                 "spool": self.records.directory, "written": self.records.written, "dropped": self.records.dropped,
                 "failed": self.records.failed, "error": self.records.last_error},
+            "reused": self.reused,
             "model": None if self.model_path is None else {
                 "path": self.model_path, "loaded": bundle is not None, "sha256": m.sha256,
                 "mtime": datetime.fromtimestamp(m.mtime, UTC).isoformat() if m.mtime else None,
@@ -679,7 +728,8 @@ class Service:
             if not isinstance(message.get("job"), dict):
                 raise InputError("'job' must be an object")
             # recorded as the hook's decision only when slurmctld asks (or an in-process caller)
-            decision, request = self.decide_request(message["job"], who, record=peer is None or peer.trusted)
+            decision, request, reused = self.decide_line(line, message["job"], who,
+                                                         record=peer is None or peer.trusted)
         except (InputError, ValueError, UnicodeError, RecursionError) as exc:
             self._log(who, t0, error=str(exc))
             if op in DECISION_SOURCES:
@@ -697,7 +747,7 @@ class Service:
         elif decision.get("waiver"):
             result = f"kept: {decision['reasons'][0]}"
         self._log(who, t0, request=decision["request"], result=result, decider=decision["decider"],
-                  mode=decision.get("mode", "rewrite"))
+                  mode=decision.get("mode", "rewrite"), **({"reused": "yes"} if reused else {}))
         main = request.main
         metrics.record_decision("hook", decision, time.perf_counter() - t0, main.gpu_type, main.gpus_total,
                                 self.config.gpu_types)
