@@ -87,6 +87,13 @@ def test_gavel_throughput_is_learned_per_family_not_read_off_the_datasheet(tmp_p
     assert r["throughput_model_unmeasured"] == 0
     assert r["throughput_datasheet_within_5pct"] < 0.90  # the baseline the model has to beat
     assert r["placed_no_fit"] == 0
+    for who in ("model", "datasheet", "users"):  # each figure inside its own 95% interval
+        for figure in ("within_5pct", "mean"):
+            low, high = r[f"throughput_{who}_{figure}_ci"]
+            assert low <= r[f"throughput_{who}_{figure}"] <= high
+    # The model ahead of the datasheet's fastest and the users' own types beyond the intervals' width.
+    assert r["throughput_model_within_5pct_ci"][0] > r["throughput_datasheet_within_5pct_ci"][1]
+    assert r["throughput_model_within_5pct_ci"][0] > r["throughput_users_within_5pct_ci"][1]
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +195,16 @@ def test_model_sizes_never_run_across_the_timm_sweep(tmp_path: Path, timm, monke
     print(f"sizes never run: shown {e}; estimate by published counts {counts}, by name {name}")
     assert e["n"] > 250 and e["under"] < 0.05 and e["mdape"] < 0.10, e
     assert counts["mdape"] < 0.6 * name["mdape"], (counts, name)
+
+
+def test_an_evaluation_figure_of_few_jobs_has_a_wide_interval() -> None:
+    from slurmgpu.learning.evaluation import _intervals, _scores
+
+    few, many = [1.0, 0.9, 0.5, None] * 5, [1.0, 0.9, 0.5, None] * 250
+    assert _scores(few) == pytest.approx((0.25, 0.8)) and _scores(many) == pytest.approx((0.25, 0.8))
+    (share_few, mean_few), (share_many, mean_many) = _intervals(few), _intervals(many)
+    assert share_few[0] <= 0.25 <= share_few[1] and share_many[0] <= 0.25 <= share_many[1]
+    assert share_few[1] - share_few[0] > 3 * (share_many[1] - share_many[0])
+    assert mean_few[1] - mean_few[0] > 3 * (mean_many[1] - mean_many[0])
+    assert _intervals(few) == (share_few, mean_few)  # the same history, the same figures
+    assert _intervals([]) == (None, None) and _intervals([None, None]) == ([0.0, 0.0], None)

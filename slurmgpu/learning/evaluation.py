@@ -15,6 +15,7 @@ A change the history cannot judge is counted as such, not guessed.
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -72,7 +73,7 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
                            "runtime_h_decided": 0.0, "gpu_h_as_asked": 0.0, "gpu_h_decided": 0.0,
                            "runtime_jobs": 0, "runtime_unmeasured": 0, "moves": []}
     under: dict[str, list[bool]] = defaultdict(list)
-    picks: list[tuple[float | None, float | None]] = []  # (model's pick, datasheet's pick) / best throughput
+    picks: list[tuple[float | None, ...]] = []  # PICKERS' picks, each over the best measured throughput
     for row in test_rows:
         if not row.get("text") or not row.get("gpu_type"):
             continue
@@ -127,13 +128,38 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
     out["families_calibrated"] = len(per_family)
     out["families_under_over_5pct"] = sorted(f for f, share in per_family.items() if share > 0.05)
     out["throughput_jobs"] = len(picks)
-    for i, who in enumerate(("model", "datasheet")):
+    for i, who in enumerate(PICKERS):
         values = [p[i] for p in picks]
-        measured = [v for v in values if v is not None]
-        out[f"throughput_{who}_within_5pct"] = (sum(v >= WITHIN for v in measured) / len(values)) if values else None
-        out[f"throughput_{who}_mean"] = (sum(measured) / len(measured)) if measured else None
-        out[f"throughput_{who}_unmeasured"] = len(values) - len(measured)
+        out[f"throughput_{who}_within_5pct"], out[f"throughput_{who}_mean"] = _scores(values)
+        out[f"throughput_{who}_within_5pct_ci"], out[f"throughput_{who}_mean_ci"] = _intervals(values)
+        out[f"throughput_{who}_unmeasured"] = sum(v is None for v in values)
     return out
+
+
+PICKERS = ("model", "datasheet", "users")  # the decider's type, the datasheet's fastest, the type asked
+BOOTSTRAP_DRAWS = 500
+
+
+def _scores(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """The share of jobs within 5% of the best measured throughput (an unmeasured pick is not) and
+    the mean ratio over the measured picks."""
+    measured = [v for v in values if v is not None]
+    return ((sum(v >= WITHIN for v in measured) / len(values)) if values else None,
+            (sum(measured) / len(measured)) if measured else None)
+
+
+def _intervals(values: Sequence[float | None]) -> tuple[list[float] | None, list[float] | None]:
+    """95% bootstrap intervals of both ``_scores`` over the jobs (a fixed seed: the same history
+    gives the same figures): a share of 40 jobs is not a share of 4,000."""
+    if not values:
+        return None, None
+    rng = random.Random(0)
+    draws = [_scores(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP_DRAWS)]
+    out: list[list[float] | None] = []
+    for i in (0, 1):
+        got = sorted(v for d in draws if (v := d[i]) is not None)
+        out.append([got[int(0.025 * (len(got) - 1))], got[int(0.975 * (len(got) - 1))]] if got else None)
+    return out[0], out[1]
 
 
 def _fits(need: tuple[float, float] | None, card_mib: float, sharded: bool) -> str:
@@ -158,10 +184,11 @@ def _runtime(rate: Mapping[str, float], chosen: tuple[str, int], sf: Mapping[str
 
 
 def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobRequest, asked: tuple[str, int],
-                rate: Mapping[str, float]) -> list[tuple[float | None, float | None]]:
+                rate: Mapping[str, float]) -> list[tuple[float | None, ...]]:
     """For a job whose family ran at its GPU count on two or more types: the measured throughput of
-    the type the model predicts fastest, and of the datasheet's fastest, relative to the best type
-    measured. Types the job may not move to (bf16 on a card without it) are left out."""
+    the type the model predicts fastest, of the datasheet's fastest and of the type the user asked
+    for (``PICKERS``), relative to the best type measured. Types the job may not move to (bf16 on a
+    card without it) are left out."""
     types = [t for t in decider.config.gpu_types
              if t == asked[0] or decider.runs_there(sf, asked[0], t)]
     for at in (0, 1):  # the job's own batch where two types ran it, else the family's batches together
@@ -182,7 +209,7 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobReques
 
     model = min(table, key=lambda c: c.pred_runtime_s).gpu_type
     sheet = max(types, key=lambda t: decider.config.gpu_types[t].relative_speed)
-    return [(relative(model), relative(sheet))]
+    return [(relative(model), relative(sheet), relative(asked[0]))]
 
 
 def recorded_summary(r: Mapping[str, Any]) -> list[str]:
@@ -213,12 +240,16 @@ def summary(r: Mapping[str, Any]) -> list[str]:
                      f"{len(r['families_under_over_5pct'])} of {r['families_calibrated']} families (5+ jobs) "
                      "over 5%")
     if r["throughput_jobs"]:
-        for who in ("model", "datasheet"):
-            mean = r[f"throughput_{who}_mean"]
-            lines.append(f"  type picked by the {who}: within 5% of the best measured throughput on "
-                         f"{r[f'throughput_{who}_within_5pct']:.1%} of {r['throughput_jobs']} jobs whose family ran on "
-                         f"several types, mean {mean:.3f} of the best" if mean is not None else
-                         f"  type picked by the {who}: never one the family was measured on")
+        lines.append(f"  type picked, on {r['throughput_jobs']} jobs whose family ran on several types: within 5% of "
+                     "the best measured throughput [95% interval], mean of the best [interval]")
+        for who, name in zip(PICKERS, ("model", "datasheet's fastest", "users' own"), strict=True):
+            if r.get(f"throughput_{who}_mean") is None:
+                lines.append(f"    {name}: never one the family was measured on")
+                continue
+            share, mean = r[f"throughput_{who}_within_5pct"], r[f"throughput_{who}_mean"]
+            share_ci, mean_ci = r.get(f"throughput_{who}_within_5pct_ci"), r.get(f"throughput_{who}_mean_ci")
+            lines.append(f"    {name}: {share:.1%}" + (f" [{share_ci[0]:.1%}-{share_ci[1]:.1%}]" if share_ci else "")
+                         + f", mean {mean:.3f}" + (f" [{mean_ci[0]:.3f}-{mean_ci[1]:.3f}]" if mean_ci else ""))
     return lines
 
 
