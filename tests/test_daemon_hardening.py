@@ -350,3 +350,18 @@ def test_records_made_in_a_child_are_written_by_the_daemon(sock: str, tmp_path: 
     [record] = [json.loads(p.read_text()) for p in tmp_path.iterdir()]
     assert record["decision"]["id"] == replies[0]["decision"]["id"] and record["source"] == "lua"
     assert record["script_sha256"] and record["decision"]["apply"] == {"partition": "gpu"}
+
+
+def test_the_record_writer_waits_a_moment_to_write_records_together(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a few hundred answers a second records arrive one by one: written as they came, each was a
+    flush of the filesystem of its own."""
+    from slurmgpu.apps import serve
+
+    records = serve.DecisionRecords(str(tmp_path), "c")
+    batches: list[int] = []
+    monkeypatch.setattr(records, "write", lambda builds: batches.append(len(builds)))
+    for _ in range(5):
+        records.put(dict)
+        time.sleep(serve.DecisionRecords.LINGER_S / 20)
+    assert records.flush() and batches == [5]

@@ -319,6 +319,12 @@ class DecisionRecords:
 
     MAX_QUEUED = 10_000
     BATCH = 64  # records written per flush of the spool's filesystem, at most
+    # How long the writer waits for more records before it flushes a batch: at a few hundred answers
+    # a second a batch held one or two records, each batch a flush of the filesystem. Measured on the
+    # socket server in-process, two clients at about 300 answers/s: 1.56 ms of CPU a request as they
+    # came, 1.40 waiting 0.05 s, 1.12 waiting 0.2 s (0.58 with no records). A record reaches the
+    # disk this much later at most; the request never waits for it.
+    LINGER_S = 0.2
 
     def __init__(self, directory: str, cluster: str | None) -> None:
         self.directory, self.cluster = directory, cluster
@@ -371,9 +377,10 @@ class DecisionRecords:
         an fsync each gave about 210, fewer than the daemon answers under load."""
         while True:
             batch = [self.pending.get()]
+            until = time.monotonic() + self.LINGER_S
             while batch[-1] is not None and len(batch) < self.BATCH:
                 try:
-                    batch.append(self.pending.get_nowait())
+                    batch.append(self.pending.get(timeout=max(until - time.monotonic(), 0.0)))
                 except queue.Empty:
                     break
             try:
