@@ -94,6 +94,13 @@ def test_gavel_throughput_is_learned_per_family_not_read_off_the_datasheet(tmp_p
     # The model ahead of the datasheet's fastest and the users' own types beyond the intervals' width.
     assert r["throughput_model_within_5pct_ci"][0] > r["throughput_datasheet_within_5pct_ci"][1]
     assert r["throughput_model_within_5pct_ci"][0] > r["throughput_users_within_5pct_ci"][1]
+    # Families the model never saw: a model trained without them, the decider replayed on their jobs.
+    unseen = runner.invoke(cli, [*base, "evaluate", "--test-days", "10", "--hold-out-families", "0.3"], env=env)
+    assert unseen.exit_code == 0, unseen.output
+    print(unseen.output)
+    held = json.loads(runner.invoke(cli, [*base, "evaluate", "--test-days", "10", "--hold-out-families", "0.3",
+                                          "--json"], env=env).output)["unseen_families"]
+    assert 0 < held["families"] < held["families_in_history"] and held["decider"]["replayed"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -79,10 +80,13 @@ def _fmt(metrics: dict[str, Any]) -> str:
               help="A model file to score instead of the installed one (e.g. a past version's).")
 @click.option("--version", "version", type=click.IntRange(min=1), default=None,
               help="Score this registered model version (see the model_versions table).")
+@click.option("--hold-out-families", "family_share", type=click.FloatRange(0.0, 0.9, min_open=True), default=None,
+              help="Also train a model without this share of the families (drawn by their key) and replay "
+                   "the decider on their jobs: how it decides work it has never seen.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, version: int | None,
-                 as_json: bool) -> None:
+                 family_share: float | None, as_json: bool) -> None:
     """Evaluate a model on the last N days of history (held out by time): its numbers, the deployed
     decider replayed on each held-out job and judged by what the history measured, and how the
     decisions this version actually made (recorded by gsbatch and the hook) ended."""
@@ -110,10 +114,33 @@ def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, v
     made = evaluation.recorded(decision_rows(engine, model_version=bundle.digest, limit=1_000_000))
     metrics = {**train.evaluate(bundle, train_rows, test_rows, config), "model_version": bundle.digest,
                "decider": evaluation.replay(bundle, config, train_rows, test_rows), "recorded": made}
-    click.echo(json.dumps(metrics, indent=2) if as_json else
-               "\n".join([f"model {bundle.digest} ({path})",
-                          _fmt({k: v for k, v in metrics.items() if k != "decider"}) or "no held-out jobs",
-                          *evaluation.summary(metrics["decider"]), *evaluation.recorded_summary(made)]))
+    lines = [f"model {bundle.digest} ({path})",
+             _fmt({k: v for k, v in metrics.items() if k != "decider"}) or "no held-out jobs",
+             *evaluation.summary(metrics["decider"]), *evaluation.recorded_summary(made)]
+    if family_share is not None:
+        metrics["unseen_families"] = unseen = _unseen_families(config, [*train_rows, *test_rows], family_share)
+        lines += [f"families held out of a model trained without them: {unseen['families']} of "
+                  f"{unseen['families_in_history']}", *evaluation.summary(unseen["decider"])]
+    click.echo(json.dumps(metrics, indent=2) if as_json else "\n".join(lines))
+
+
+def _unseen_families(config: Any, rows: list[dict[str, Any]], share: float) -> dict[str, Any]:
+    """The deployed decider on families its model never saw: a model trained (as ``train`` does)
+    on the other families' jobs, replayed on these families' jobs: SHARE of them (one at least, never
+    all), drawn in the order of a hash of their key, so the same history holds out the same ones."""
+    from slurmgpu.learning import evaluation, train
+
+    families = sorted({r["script"]["family"] for r in rows}, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
+    held = set(families[:min(max(round(share * len(families)), 1), len(families) - 1)])
+    seen_rows = [r for r in rows if r["script"]["family"] not in held]
+    unseen_rows = [r for r in rows if r["script"]["family"] in held]
+    try:
+        with status("training without the held-out families") as say:
+            bundle, _ = train.fit(seen_rows, config, progress=say)
+    except ValueError as exc:
+        fail(InputError(f"--hold-out-families: {exc}"))
+    return {"families": len(held), "families_in_history": len(families), "jobs": len(unseen_rows),
+            "held_out": sorted(held), "decider": evaluation.replay(bundle, config, seen_rows, unseen_rows)}
 
 
 @click.command("predict", context_settings={"ignore_unknown_options": True})
