@@ -552,6 +552,11 @@ def test_the_gate_puts_the_deployed_decision_first() -> None:
     assert not worse({**better_numbers, "decider": {"placed_no_fit": 0, "oom_decided": 2}}, old)
     assert worse({"memory_under_prediction_rate": 0.05, "runtime_mdape": 0.05,
                   "decider": {"placed_no_fit": 0, "oom_decided": 1}}, old)
+    # Type picks: worse only where the new share's whole interval lies below the old share.
+    old["decider"] = {**old["decider"], "throughput_model_within_5pct": 0.90}
+    picks = {**better_numbers, "decider": {"placed_no_fit": 0, "oom_decided": 2}}
+    assert worse({**picks, "decider": {**picks["decider"], "throughput_model_within_5pct_ci": [0.70, 0.85]}}, old)
+    assert not worse({**picks, "decider": {**picks["decider"], "throughput_model_within_5pct_ci": [0.75, 0.92]}}, old)
 
 
 def test_a_slower_card_never_run_keeps_the_full_datasheet_ratio(config) -> None:

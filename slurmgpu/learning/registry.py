@@ -87,11 +87,16 @@ def current_metrics(path: str, train_rows: list[dict[str, Any]], test_rows: list
 
 def worse(new: dict[str, Any], old: dict[str, Any]) -> bool:
     """The deployed decision first (more jobs placed where they do not fit, or more OOMs, on the same
-    held-out jobs is worse), then memory safety (more under-predictions), then runtime error."""
+    held-out jobs is worse; so is a type pick within 5% of the best measured throughput for fewer of
+    them, the new share's whole 95% interval below the old share), then memory safety (more
+    under-predictions), then runtime error."""
     n_dec, o_dec = new.get("decider") or {}, old.get("decider") or {}
     for key in ("placed_no_fit", "oom_decided"):
         if n_dec.get(key) is not None and o_dec.get(key) is not None and n_dec[key] > o_dec[key]:
             return True
+    n_pick, o_pick = n_dec.get("throughput_model_within_5pct_ci"), o_dec.get("throughput_model_within_5pct")
+    if n_pick is not None and o_pick is not None and n_pick[1] < o_pick:
+        return True
     n_mem, o_mem = new.get("memory_under_prediction_rate"), old.get("memory_under_prediction_rate")
     if n_mem is not None and o_mem is not None and n_mem > o_mem + 0.002:
         return True
