@@ -487,9 +487,8 @@ class Service:
         self.stopped = threading.Event()
         self.today: Callable[[], date] = date.today  # waivers expire by this clock (tests freeze it)
         self.watch_model = True  # False in a worker of serve_workers: its supervisor reloads the model
-        # (line, who) -> (when, view, reply before its record, request, job): see REUSE_S
-        self.recent: dict[tuple[bytes, Who], tuple[float, tuple[Any, ...], dict[str, Any], JobRequest,
-                                                   Mapping[str, Any]]] = {}
+        # (line, who) -> (when, view, reply before its record, request): see REUSE_S
+        self.recent: dict[tuple[bytes, Who], tuple[float, tuple[Any, ...], dict[str, Any], JobRequest]] = {}
         self.recent_bytes = 0
         self.reused = 0  # decide requests answered with a reused decision (health)
         if self.model_path and not self.check_model():
@@ -621,7 +620,7 @@ class Service:
         if hit is not None and now - hit[0] < REUSE_S and \
                 all(a is b or a == b for a, b in zip(hit[1], view, strict=True)):
             self.reused += 1
-            _, _, out, request, job = hit
+            _, _, out, request = hit  # the same line: the same job
             return self.recorded(dict(out), job, request, who, record), request, True
         out, request = self.unrecorded(job, who)
         if self.recent_bytes + len(line) > REUSE_BYTES or len(self.recent) >= REUSE_ENTRIES:
@@ -629,7 +628,7 @@ class Service:
             self.recent_bytes = 0
         if key not in self.recent:
             self.recent_bytes += len(line)
-        self.recent[key] = (now, view, out, request, job)
+        self.recent[key] = (now, view, out, request)
         return self.recorded(dict(out), job, request, who, record), request, False
 
     def recorded(self, out: dict[str, Any], job: Mapping[str, Any], request: JobRequest, who: Who,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any
@@ -126,21 +125,18 @@ def evaluate_cmd(ctx: click.Context, test_days: float, model_file: str | None, v
 
 def _unseen_families(config: Any, rows: list[dict[str, Any]], share: float) -> dict[str, Any]:
     """The deployed decider on families its model never saw: a model trained (as ``train`` does)
-    on the other families' jobs, replayed on these families' jobs: SHARE of them (one at least, never
-    all), drawn in the order of a hash of their key, so the same history holds out the same ones."""
+    on the other families' jobs, replayed on the held-out families' jobs (``train.split_by_family``)."""
     from slurmgpu.learning import evaluation, train
 
-    families = sorted({r["script"]["family"] for r in rows}, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
-    held = set(families[:min(max(round(share * len(families)), 1), len(families) - 1)])
-    seen_rows = [r for r in rows if r["script"]["family"] not in held]
-    unseen_rows = [r for r in rows if r["script"]["family"] in held]
+    seen_rows, unseen_rows, held = train.split_by_family(rows, share)
     try:
         with status("training without the held-out families") as say:
             bundle, _ = train.fit(seen_rows, config, progress=say)
     except ValueError as exc:
         fail(InputError(f"--hold-out-families: {exc}"))
-    return {"families": len(held), "families_in_history": len(families), "jobs": len(unseen_rows),
-            "held_out": sorted(held), "decider": evaluation.replay(bundle, config, seen_rows, unseen_rows)}
+    return {"families": len(held), "families_in_history": len({r["script"]["family"] for r in rows}),
+            "jobs": len(unseen_rows), "held_out": held,
+            "decider": evaluation.replay(bundle, config, seen_rows, unseen_rows)}
 
 
 @click.command("predict", context_settings={"ignore_unknown_options": True})

@@ -6,6 +6,7 @@ have been known at its submission; the bundle ships the statistics as of the end
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -427,6 +428,17 @@ def split_by_time(rows: list[dict[str, Any]], test_days: float) -> tuple[list[di
         return [], []
     cut = max(r["submit"] for r in rows) - timedelta(days=test_days)
     return [r for r in rows if r["submit"] <= cut], [r for r in rows if r["submit"] > cut]
+
+
+def split_by_family(rows: list[dict[str, Any]],
+                    share: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """The rows of the families kept and of those held out, and the held-out family keys: SHARE of
+    the families (one at least, never all), taken in the order of a hash of their keys, so the same
+    history holds out the same ones."""
+    families = sorted({r["script"]["family"] for r in rows}, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
+    held = set(families[:min(max(round(share * len(families)), 1), len(families) - 1)])
+    return ([r for r in rows if r["script"]["family"] not in held], [r for r in rows if r["script"]["family"] in held],
+            sorted(held))
 
 
 def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
