@@ -231,14 +231,17 @@ def test_a_user_reads_seff_of_their_job_through_the_daemon(site: Path, script: P
 
 
 def _until_accounted(job: str, ended: bool = False) -> None:
-    """Wait (10 s at most) until slurmdbd has the job (ENDED: and its end, which a job that has just
-    finished gets a moment after its row): seff reads it from sacct."""
-    for _ in range(50):
+    """Wait (60 s at most: slurmdbd lags on a loaded CI machine) until slurmdbd has the job (ENDED: and
+    its end, which a job that has just finished gets a moment after its row): seff reads it from sacct.
+    A job still unaccounted then fails here, not as a seff that is right to say it does not know it."""
+    known = ""
+    for _ in range(300):
         known = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "JobID,End"], capture_output=True,
                                text=True).stdout.strip()
         if known and (not ended or known.split("|")[-1] not in ("", "Unknown")):
             return
         time.sleep(0.2)
+    raise AssertionError(f"job {job} not in Slurm's accounting after 60 s: {known!r}")
 
 
 def test_without_a_matching_pyslurm_the_install_goes_on_and_the_commands_use_the_cli(site: Path, model: Path,

@@ -263,3 +263,18 @@ def test_a_history_request_never_holds_up_health_or_decisions(sock: str, monkeyp
     assert health is not None and health["ok"]
     assert waited < 0.75, f"health waited {waited:.2f} s behind a history request"
     assert done == [{"ok": True, "seff": []}]
+
+
+def test_seff_says_so_when_accounting_could_not_be_asked(tmp_path: Any) -> None:
+    """sacct failing or timing out is not a job accounting does not know: the answer says which."""
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    viewer = userview.Viewer(os.getuid(), everyone=True)
+    assert usage.live_jobs(["12345"], run=lambda argv: None) is None
+    down = userview.seff_answers(engine, ["12345"], None, None, viewer,
+                                 live=lambda ids, cluster: usage.live_jobs(ids, cluster, run=lambda argv: None))
+    empty = userview.seff_answers(engine, ["12345"], None, None, viewer,
+                                  live=lambda ids, cluster: usage.live_jobs(ids, cluster, run=lambda argv: ""))
+    assert "could not be asked" in down[0]["error"] and "does not know it" not in down[0]["error"]
+    assert empty[0]["error"].endswith("accounting does not know it")

@@ -84,15 +84,19 @@ def seff_answers(engine: Any, job_ids: Sequence[str], cluster: str | None, confi
     not the viewer's to see. Finished jobs come from the history with CPU and host memory from
     sacct; a job the history does not have yet (running, or not ingested) from Slurm alone."""
     found = {j: queries.find_job(engine, j, cluster) for j in job_ids}
-    slurm = live(list(job_ids), cluster)
+    slurm = live(list(job_ids), cluster)  # None: sacct could not be asked
+    known: Mapping[str, usage.LiveJob] = slurm if slurm is not None else {}
     out: list[dict[str, Any]] = []
     for job_id in job_ids:
-        one, now = found[job_id], slurm.get(job_id)
+        one, now = found[job_id], known.get(job_id)
         if one is None and now is None:
             out.append({"job_id": job_id, "error": f"job {job_id} is not in the history database, and Slurm's "
-                                                   "accounting does not know it"})
+                                                   + ("accounting does not know it" if slurm is not None else
+                                                      "accounting could not be asked (sacct failed or did not "
+                                                      "answer in time): try again")})
             continue
-        user, account = (one.job.user, one.job.account) if one else (now.values["user"], now.values["account"])
+        user, account = ((one.job.user, one.job.account) if one is not None else
+                         (known[job_id].values["user"], known[job_id].values["account"]))
         if not viewer.may_see(user, account):
             out.append({"job_id": job_id, "error": f"job {job_id} belongs to another user: you may only see "
                                                    "your own jobs"})

@@ -79,16 +79,19 @@ def _req_mem_per_node(values: dict[str, Any]) -> float | None:
     return float(total) / max(1, values.get("nodes") or 1) if total else None
 
 
-def live_jobs(job_ids: Sequence[str], cluster: str | None = None, run: Runner = run_command) -> dict[str, LiveJob]:
+def live_jobs(job_ids: Sequence[str], cluster: str | None = None,
+              run: Runner = run_command) -> dict[str, LiveJob] | None:
     """The jobs sacct knows among ``job_ids`` (one sacct call), by the id asked for; a running
-    one's CPU time and peak memory so far come from sstat (sacct has them only once a step ends)."""
+    one's CPU time and peak memory so far come from sstat (sacct has them only once a step ends).
+    None when sacct could not be asked (it failed or did not answer in time): that is not a job
+    accounting does not know."""
     if not job_ids:
         return {}
     argv = ["sacct", "--noheader", "--parsable2", f"--delimiter={LIVE_DELIMITER}", "--format=" + ",".join(LIVE_FIELDS),
             "-j", ",".join(job_ids)]
     out = run([*argv, "-M", cluster] if cluster else argv)
     if out is None:
-        return {}
+        return None
     lines = out.splitlines()
     total_cpu: dict[str, float | None] = {}
     at = LIVE_FIELDS.index("TotalCPU")
