@@ -278,3 +278,14 @@ def test_seff_says_so_when_accounting_could_not_be_asked(tmp_path: Any) -> None:
                                   live=lambda ids, cluster: usage.live_jobs(ids, cluster, run=lambda argv: ""))
     assert "could not be asked" in down[0]["error"] and "does not know it" not in down[0]["error"]
     assert empty[0]["error"].endswith("accounting does not know it")
+
+
+def test_a_job_whose_accounting_row_is_not_whole_yet_is_still_known() -> None:
+    """Captured from slurmdbd here a second after a job ended: its row has QOS and Eligible Unknown and
+    ReqMem "16?" (the job asked for 500M); seff must not say accounting does not know the job."""
+    row = ("8183|8183|slurmgpu|root|root||Unknown|2026-12-07T04:26:52|Unknown|2026-12-07T04:26:53|"
+           "2026-12-07T04:26:53|00:00:00||COMPLETED|0:0||billing=1,cpu=1,mem=500M,node=1|1|1|16?|||gpu2|"
+           "allocation|00:00.002|\n")
+    row = row.replace("|", usage.LIVE_DELIMITER)  # printed here with "|"; live_jobs asks for its own delimiter
+    got = usage.live_jobs(["8183"], run=lambda argv: row if argv[0] == "sacct" else None)
+    assert got is not None and got["8183"].values["state"] == "COMPLETED" and got["8183"].use.req_mem_mib is None

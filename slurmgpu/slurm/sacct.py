@@ -81,6 +81,10 @@ def parse_size_mib(text: str, field: str = "MaxRSS") -> float | None:
     """``1104K``, ``1.5G``, ``4000Mc`` (older per-CPU suffix) to MiB; plain numbers are bytes."""
     if text in _NONE or text == "0":
         return None if text in _NONE else 0.0
+    if field == "ReqMem" and text.endswith("?"):
+        # slurmdbd's row of a job that has just ended, before it is whole (seen on 22.05: "16?" for a
+        # 500M request, with QOS and Eligible "Unknown"): no request to read yet, not a bad row.
+        return None
     m = _SIZE.match(text)
     if not m:
         raise ParseError(field, f"invalid size {text!r}")
