@@ -236,10 +236,13 @@ def _tres_text(values: Mapping[str, str]) -> str:
 
 
 def _exit_code(status: int | None) -> str:
-    """A wait status as sacct's ``exit:signal``."""
+    """A wait status as sacct's ``exit:signal``: sacct takes 128 off an exit status of 128 or more (a shell's
+    128+signal), so a batch script killed by scancel's SIGTERM through its shell reads ``15:0``, not ``143:0``."""
     status = int(status or 0)
-    signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-    return f"{os.WEXITSTATUS(status)}:{signal}"
+    if os.WIFSIGNALED(status):
+        return f"0:{os.WTERMSIG(status)}"
+    code = os.WEXITSTATUS(status)
+    return f"{code - 128 if code >= 128 else code}:0"
 
 
 def _job_id(j: Mapping[str, Any]) -> str:
