@@ -375,14 +375,17 @@ class DecisionRecords:
         filesystem and one fsync of the directory for the batch (``write_files``), not an fsync per
         record: 950-1,450 records a second built and written on this project's shared machine, where
         an fsync each gave about 210, fewer than the daemon answers under load."""
+        backlog = False
         while True:
             batch = [self.pending.get()]
-            until = time.monotonic() + self.LINGER_S
+            if batch[-1] is not None and not backlog:
+                time.sleep(self.LINGER_S)  # the next records join this batch, none waking this thread
             while batch[-1] is not None and len(batch) < self.BATCH:
                 try:
-                    batch.append(self.pending.get(timeout=max(until - time.monotonic(), 0.0)))
+                    batch.append(self.pending.get_nowait())
                 except queue.Empty:
                     break
+            backlog = len(batch) == self.BATCH
             try:
                 self.write([item for item in batch if item is not None])
             finally:
