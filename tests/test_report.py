@@ -590,3 +590,49 @@ def test_jobs_table_is_sized_to_the_terminal(tmp_path: Path) -> None:
         assert ("--wide shows them all" in res.output) == (len(shown[columns]) < len(header))
     assert "user" in shown[80] and 5 <= len(shown[80]) < len(header)
     assert shown[120] == shown[250] == list(header)
+
+
+def test_the_installed_models_held_out_figures_are_shown_as_evaluated(tmp_path: Path) -> None:
+    """The registry's active version, with the figures it was installed with (``train``'s held-out
+    evaluation, the decider replayed beside the datasheet's and the users' picks), in JSON and table;
+    a version trained later but kept out by the gate is not the one shown."""
+    from test_models import history
+    from test_serve import quick_bundle
+
+    from slurmgpu.learning import evaluation, registry, train
+    from slurmgpu.pipeline.config import load_config
+
+    config = load_config(SAMPLE_CONFIG)
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    db.upgrade(url)
+    small_history(url)
+    engine = db.make_engine(url)
+    assert json.loads(run_report(url, "--format", "json").output)["model"] is None
+    train_rows, test_rows = train.split_by_time(history(600), 5)
+    bundle = train.fit(train_rows, config, iterations=60)[0]
+    figures = registry.metrics(bundle, train_rows, test_rows, config)
+    bundle.data["metrics"] = figures
+    model_file = str(tmp_path / "model.json")
+    installed = registry.register(engine, bundle, model_file, active=True)
+    kept_out = quick_bundle(config)
+    kept_out.data["metrics"] = {"test_jobs": 1, "memory_under_prediction_rate": 0.5, "memory_jobs": 1}
+    registry.register(engine, kept_out, model_file, active=False)
+
+    shown = json.loads(run_report(url, "--format", "json").output)["model"]
+    assert (shown["version"], shown["metrics"]) == (installed, json.loads(json.dumps(figures)))
+    assert figures["test_jobs"] and figures["decider"]["replayed"] and figures["memory_bound_median_error"] is not None
+    table = CliRunner(env={"COLUMNS": "250"}).invoke(main, ["--config", str(SAMPLE_CONFIG), "--db", url, "report",
+                                                           *WINDOW])
+    assert table.exit_code == 0, table.output
+    text = " ".join(table.output.split())
+    assert "Installed model on held-out jobs" in text and f"v{installed} (" in text
+    assert f"{figures['memory_under_prediction_rate']:.1%} of {figures['memory_jobs']} jobs" in text
+    assert f"{figures['memory_bound_median_error']:.1%}" in text
+    decided = figures["decider"]
+    assert f"{decided['oom_decided']} / {decided['oom_as_asked']}" in text
+    for who in evaluation.PICKERS:
+        assert (evaluation.picked(decided, who) or "") in text
+    page = tmp_path / "r.html"
+    assert run_report(url, "--html", str(page)).exit_code == 0
+    html = page.read_text()
+    assert "Installed model on held-out jobs" in html and evaluation.picked(decided, "model") in html

@@ -202,7 +202,8 @@ def run(out: Path = ROOT / "demo-out", seed: int = 1, console: Console | None = 
     version = registry.register(engine, bundle, config.site.model_path or "", active=True)
     console.print(f"[bold]3. train[/bold] (with telemetry): model version {version} on {len(train_rows)} jobs; "
                   f"last 5 days held out ({metrics['memory_jobs']} jobs): memory under-predicted on "
-                  f"{_pct(metrics['memory_under_prediction_rate'], '.2%')}, runtime MdAPE "
+                  f"{_pct(metrics['memory_under_prediction_rate'], '.2%')} (the bound's median error "
+                  f"{_pct(metrics['memory_bound_median_error'])}), runtime MdAPE "
                   f"{_pct(metrics['runtime_mdape'])} ({metrics['runtime_jobs']} jobs)")
 
     # The same rows, as a site without GPU-memory telemetry has them; its model is not registered.

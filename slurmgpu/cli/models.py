@@ -62,7 +62,9 @@ def _fmt(metrics: dict[str, Any]) -> str:
     parts = []
     if metrics.get("memory_under_prediction_rate") is not None:
         parts.append(f"memory under-predicted on {metrics['memory_under_prediction_rate']:.2%} of "
-                     f"{metrics['memory_jobs']} jobs")
+                     f"{metrics['memory_jobs']} jobs"
+                     + (f" (bound's median error {metrics['memory_bound_median_error']:.1%})"
+                        if metrics.get("memory_bound_median_error") is not None else ""))
     if metrics.get("runtime_mdape") is not None:
         parts.append(f"runtime MdAPE {metrics['runtime_mdape']:.1%} on {metrics['runtime_jobs']} jobs")
     decided = metrics.get("decider") or {}

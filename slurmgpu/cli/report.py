@@ -49,17 +49,21 @@ def report_cmd(ctx: click.Context, since: Any, until: Any, user: str | None, acc
     config = site_config(ctx, required=False)
     cluster = cluster or (config.site.cluster if config else None)
     engine, why = open_history(ctx)
+    model = None
     if engine is None:  # the database is the nightly account's: the daemon answers what this user may see
         answer = ask_daemon({"op": "report", "since": start.isoformat(), "until": end.isoformat(), "user": user,
                              "account": account, "cluster": cluster}, why)
         jobs, user = userview.jobs_from_json(answer["jobs"]), answer["user"]
     else:
+        from slurmgpu.learning import registry
+
         try:
             jobs, user = userview.report_jobs(engine, userview.Viewer.this_process(),
                                               start, end, user, account, cluster)
         except InputError as exc:
             fail(exc)
-    result = report.build(jobs, config, start, end, user)
+        model = registry.installed(engine)
+    result = report.build(jobs, config, start, end, user, model)
     if html_path:
         write_file(html_path, render.to_html(result, utcnow()).encode(), f": {len(jobs)} GPU jobs")
     if as_json:

@@ -137,6 +137,7 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
 
 
 PICKERS = ("model", "datasheet", "users")  # the decider's type, the datasheet's fastest, the type asked
+PICKER_NAMES = ("model", "datasheet's fastest", "users' own")
 BOOTSTRAP_DRAWS = 500
 
 
@@ -242,15 +243,20 @@ def summary(r: Mapping[str, Any]) -> list[str]:
     if r["throughput_jobs"]:
         lines.append(f"  type picked, on {r['throughput_jobs']} jobs whose family ran on several types: within 5% of "
                      "the best measured throughput [95% interval], mean of the best [interval]")
-        for who, name in zip(PICKERS, ("model", "datasheet's fastest", "users' own"), strict=True):
-            if r.get(f"throughput_{who}_mean") is None:
-                lines.append(f"    {name}: never one the family was measured on")
-                continue
-            share, mean = r[f"throughput_{who}_within_5pct"], r[f"throughput_{who}_mean"]
-            share_ci, mean_ci = r.get(f"throughput_{who}_within_5pct_ci"), r.get(f"throughput_{who}_mean_ci")
-            lines.append(f"    {name}: {share:.1%}" + (f" [{share_ci[0]:.1%}-{share_ci[1]:.1%}]" if share_ci else "")
-                         + f", mean {mean:.3f}" + (f" [{mean_ci[0]:.3f}-{mean_ci[1]:.3f}]" if mean_ci else ""))
+        for who, name in zip(PICKERS, PICKER_NAMES, strict=True):
+            lines.append(f"    {name}: {picked(r, who) or 'never one the family was measured on'}")
     return lines
+
+
+def picked(r: Mapping[str, Any], who: str) -> str | None:
+    """How well one of PICKERS picked types in ``replay``'s figures: 'share [interval], mean m [interval]'
+    (None where it never picked one the family was measured on)."""
+    if r.get(f"throughput_{who}_mean") is None:
+        return None
+    share, mean = r[f"throughput_{who}_within_5pct"], r[f"throughput_{who}_mean"]
+    share_ci, mean_ci = r.get(f"throughput_{who}_within_5pct_ci"), r.get(f"throughput_{who}_mean_ci")
+    return (f"{share:.1%}" + (f" [{share_ci[0]:.1%}-{share_ci[1]:.1%}]" if share_ci else "")
+            + f", mean {mean:.3f}" + (f" [{mean_ci[0]:.3f}-{mean_ci[1]:.3f}]" if mean_ci else ""))
 
 
 def recorded(decisions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -63,6 +63,18 @@ def version_of(engine: Engine, digest: str) -> dict[str, Any] | None:
     return dict(row._mapping) if row else None
 
 
+def installed(engine: Engine) -> dict[str, Any] | None:
+    """The active (installed) version: its number, digest, when it was made, its training window and
+    the figures it was installed with on the jobs held out then; None before any was installed."""
+    table = cast(Table, ModelVersion.__table__)
+    with engine.connect() as conn:
+        row = conn.execute(select(table.c.version, table.c.digest, table.c.created_at, table.c.train_start,
+                                  table.c.train_end, table.c.metrics)
+                           .where(table.c.name == NAME, table.c.active.is_(True))
+                           .order_by(table.c.version.desc())).first()
+    return dict(row._mapping) if row else None
+
+
 def metrics(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[dict[str, Any]],
             config: Config) -> dict[str, Any]:
     """A model's figures on held-out jobs: its numbers (``train.evaluate``) and its deployed decisions

@@ -452,16 +452,19 @@ def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[d
     mem = [e for e in all_mem if _known(e, config)]
     run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"] and _known(e, config)]
 
+    def bound(e: dict[str, Any]) -> float:
+        return e["base"] * math.exp(bundle.memory_ratio(e["x"], bundle.memory.predict(e["x"]), e["script"].get("arch")))
+
     def under(items: list[dict[str, Any]]) -> float | None:
-        misses = sum(1 for e in items if e["base"] * math.exp(bundle.memory_ratio(
-            e["x"], bundle.memory.predict(e["x"]), e["script"].get("arch"))) < e["peak"])
-        return misses / len(items) if items else None
+        return sum(1 for e in items if bound(e) < e["peak"]) / len(items) if items else None
 
     ape = sorted(abs(math.exp(bundle.runtime.predict(e["x"])) - e["elapsed"]) / e["elapsed"] for e in run)
+    bound_error = sorted(abs(bound(e) / e["peak"] - 1) for e in mem)
     return {
         "test_jobs": len(tests),
         "memory_jobs": len(mem),  # jobs of families with history: the ones decisions are made for
         "memory_under_prediction_rate": under(mem),
+        "memory_bound_median_error": bound_error[len(bound_error) // 2] if bound_error else None,
         "memory_under_prediction_rate_all_families": under(all_mem),
         "runtime_jobs": len(run),
         "runtime_mdape": ape[len(ape) // 2] if ape else None,

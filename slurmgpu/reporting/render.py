@@ -37,6 +37,8 @@ def to_json(report: Report) -> str:
         "daily": [{"date": d.isoformat(), "gpu_type": t, "gpu_hours": round(h, 4)}
                   for d, per in report.daily.items() for t, h in sorted(per.items())],
         "alerts": alerts_mod.to_dicts(report.alerts),
+        "model": {k: _iso(v) if isinstance(v, datetime) else v for k, v in report.model.items()}
+        if report.model else None,
         "definitions": DEFINITIONS,
     }, indent=2)
 
@@ -91,7 +93,7 @@ def _ratio(used: int, asked: int) -> str:
 
 
 
-TEXT_COLUMNS = {"GPU type", "user", "account", "change", "alert", "example job", "detail", "fix"}
+TEXT_COLUMNS = {"GPU type", "user", "account", "change", "alert", "example job", "detail", "fix", "figure", "value"}
 
 # The columns each table keeps longest when the terminal is too narrow for all of them, in that
 # order; the table's other columns go first, from its right end.
@@ -102,6 +104,7 @@ KEEP_FIRST = {
     "Advised, not applied": ("change", "jobs", "GPU-h saved", "users"),
     "Alerts": ("user", "alert", "fix", "wasted GPU-h", "jobs"),
     "Jobs": ("job", "user", "state", "GPUs", "elapsed", "peak GiB/GPU"),
+    "Installed model on held-out jobs": ("figure", "value"),
 }
 
 
@@ -125,7 +128,38 @@ def table_rows(report: Report) -> dict[str, tuple[tuple[str, ...], list[tuple[st
         **({"Advised, not applied": (("change", "jobs", "users", "GPU-h saved", "queue h saved"), [
             (c.change, str(c.jobs), str(c.users), _num(c.gpu_hours_saved), _num(c.queue_hours_saved))
             for c in report.advised])} if report.advised else {}),
+        **({"Installed model on held-out jobs": (("figure", "value"), model_rows(report.model))}
+           if report.model else {}),
     }
+
+
+def model_rows(model: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The installed model's figures (``learning.registry.installed``), each as evaluate prints it;
+    a figure not measured is left out."""
+    from slurmgpu.learning.evaluation import PICKER_NAMES, PICKERS, picked
+
+    end, made = (f"{t:%Y-%m-%d}" if isinstance(t, datetime) else "?" for t in (model["train_end"], model["created_at"]))
+    rows: list[tuple[str, ...]] = [
+        ("version", f"v{model['version']} ({model['digest']}), trained on jobs to {end}, installed {made}")]
+    figures = model.get("metrics") or {}
+    decided = figures.get("decider") or {}
+    if not figures.get("test_jobs"):
+        return [*rows, ("held-out jobs", "none: trained without a held-out window (train --test-days)")]
+    rows.append(("held-out jobs", str(figures["test_jobs"])))
+    if decided.get("replayed") is not None:
+        rows += [("decider replayed on", f"{decided['replayed']} ({decided['changed']} changed)"),
+                 ("placed where it does not fit", str(decided["placed_no_fit"])),
+                 ("GPU OOM, decided / as asked", f"{decided['oom_decided']} / {decided['oom_as_asked']}")]
+    rows += [(f"type within 5% of the best measured, {name} (mean of the best)", text)
+             for who, name in zip(PICKERS, PICKER_NAMES, strict=True) if (text := picked(decided, who))]
+    if figures.get("memory_under_prediction_rate") is not None:
+        rows.append(("peak memory bound under-predicted",
+                     f"{figures['memory_under_prediction_rate']:.1%} of {figures['memory_jobs']} jobs"))
+    if figures.get("memory_bound_median_error") is not None:
+        rows.append(("peak memory bound, median error", f"{figures['memory_bound_median_error']:.1%}"))
+    if figures.get("runtime_mdape") is not None:
+        rows.append(("run time median error", f"{figures['runtime_mdape']:.1%} of {figures['runtime_jobs']} jobs"))
+    return rows
 
 
 def alert_rows(rows: Sequence[AlertRow]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:

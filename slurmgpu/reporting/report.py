@@ -41,6 +41,12 @@ DEFINITIONS = {
                "change slurmgpu would have made; their GPU-h and queue h are what that change would have saved, "
                "estimated as for changed jobs. Not counted as changed",
     "daily": "GPU-hours by the UTC day the job ended",
+    "model": "the installed model version (the registry's active one) and its figures on the jobs held out "
+             "(the last --test-days) when it was trained: its decider replayed on them and judged by what the "
+             "history measured, the type it picks beside the datasheet's fastest and the users' own (within 5% "
+             "of the best measured throughput, mean share of the best, 95% bootstrap intervals), peak-memory "
+             "bound under-predicted and its median error, run time median error. Shown to whoever may read the "
+             "history database",
     **{f"alert {k}": v for k, v in alerts.DEFINITIONS.items()},
 }
 
@@ -92,6 +98,7 @@ class Report(NamedTuple):
     daily: dict[date, dict[str, float]]  # day -> GPU type -> GPU-hours
     alerts: tuple[AlertRow, ...] = ()  # per user, account and kind; see slurmgpu.reporting.alerts
     advised: tuple[ChangeRow, ...] = ()  # decided in advise mode, submitted as written: what would have changed
+    model: Mapping[str, Any] | None = None  # learning.registry.installed: the installed model and its figures
 
     def totals(self) -> dict[str, Any]:
         gpu_h = sum(t.gpu_hours for t in self.types)
@@ -225,7 +232,7 @@ def _hours(seconds: float | None) -> float | None:
 
 
 def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until: datetime,
-          user: str | None = None) -> Report:
+          user: str | None = None, model: Mapping[str, Any] | None = None) -> Report:
     by_type: dict[str, list[JobUse]] = defaultdict(list)
     by_user: dict[tuple[str, str], list[JobUse]] = defaultdict(list)
     by_change: dict[str, list[JobUse]] = defaultdict(list)
@@ -261,7 +268,7 @@ def build(jobs: Sequence[JobUse], config: Config | None, since: datetime, until:
                   sorted(users, key=lambda u: (-u.gpu_hours, u.user, u.account)),
                   sorted(changes, key=lambda c: (-c.jobs, c.change)),
                   {d: dict(v) for d, v in sorted(daily.items())}, tuple(alerts.build(jobs, config)),
-                  _advice_rows(jobs))
+                  _advice_rows(jobs), model)
 
 
 # --- output formats ---------------------------------------------------------------------------
