@@ -21,11 +21,13 @@ from slurmgpu.history.db import GpuUsage, Job, Submission
 from slurmgpu.learning.censored import INF, memory_interval
 from slurmgpu.pipeline.bundle import (
     BUNDLE_VERSION,
+    TIGHT_AFTER,
     Bundle,
     TreeEnsemble,
     arch_base_mib,
     memory_base_mib,
     memory_stratum,
+    one_gpu_base,
     zero_shift_mib,
 )
 from slurmgpu.pipeline.config import Config
@@ -153,20 +155,15 @@ class _Running:
         n, m = s["n"], s["m"]
         view = {"n": n, "oom_rate": s["oom"] / n, "params_b": s["params_b"], "scale": s["scale"],
                 **{k: s[k] for k in ("params_m", "acts_m") if k in s},
-                "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"],
-                "log_peak_mean": s["lpsum"] / m if m else 0.0, "a": 0.0, "b": 0.0,
-                "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"], "zero_one_gpu": 1.0,
+                "log_peak_mean": s["lpsum"] / m if m else 0.0, "zero_one_gpu": 1.0,
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
                 **{k: v for k, v in s.items() if k.startswith((HELD, BUSY, RUNS, UTIL, UTIL_RUNS))},
                 **{f"{RATE}{k[3:]}": v / s[f"rn:{k[3:]}"] for k, v in s.items() if k.startswith("rs:")},
                 **{f"{RATE_N}{k[3:]}": v for k, v in s.items() if k.startswith("rn:")},
-                **_rate_spread(s)}
-        var = s["tt"] - s["t"] ** 2 / m if m else 0.0
-        if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
-            b = (s["tp"] - s["t"] * s["p"] / m) / var
-            if b > 0:
-                a = (s["p"] - b * s["t"]) / m
-                view.update(a=a, b=b)
+                **_rate_spread(s), **_line(s)}
+        if s.get("line_n"):
+            view.update(line_n=s["line_n"], line_err=max(s[f"miss:{i}"] for i in range(min(int(s["line_n"]),
+                                                                                              TIGHT_AFTER))))
         return view
 
     def add(self, row: Mapping[str, Any]) -> None:
@@ -207,6 +204,11 @@ class _Running:
         elif row["peak"] and row["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS:
             tokens = math.exp(row["script"]["log_tokens"])
             peak = row["peak"] + zero_shift_mib(row["script"], row["gpus"])  # as one GPU's (bundle.py)
+            line = _line(s)
+            if s["m"] >= 3 and line["b"] > 0:  # how well the family's line foretold this peak (memory_stratum)
+                miss = abs(math.log(peak / one_gpu_base({"log_tokens": row["script"]["log_tokens"]}, line)))
+                s[f"miss:{int(s.get('line_n', 0.0)) % TIGHT_AFTER}"] = miss  # the last TIGHT_AFTER, in a ring
+                s["line_n"] = s.get("line_n", 0.0) + 1
             lp = math.log(peak)
             s["m"] += 1
             s["lpsum"] += lp
@@ -220,6 +222,25 @@ class _Running:
             s["p"] += peak
             s["tt"] += tokens * tokens
             s["tp"] += tokens * peak
+
+
+def _line_record(fam: Mapping[str, float]) -> dict[str, float]:
+    """What ``memory_stratum`` reads of a family's history: how well its line has foretold its peaks."""
+    return {k: fam[k] for k in ("line_n", "line_err", "log_tokens_at_max") if k in fam}
+
+
+def _line(s: Mapping[str, float]) -> dict[str, float]:
+    """The family's peak line a + b x tokens (least squares; b 0 where it is not rising) and the points
+    ``bundle.one_gpu_base`` bounds it with."""
+    m = s["m"]
+    line = {"a": 0.0, "b": 0.0, "tokens_min": s["tmin"], "peak_at_tokens_min": s["pmin"],
+            "log_peak_max": s["lpmax"], "log_tokens_at_max": s["ltmax"]}
+    var = s["tt"] - s["t"] ** 2 / m if m else 0.0
+    if m >= 2 and var > 1e-9 * max(s["tt"], 1.0):
+        b = (s["tp"] - s["t"] * s["p"] / m) / var
+        if b > 0:
+            line.update(a=(s["p"] - b * s["t"]) / m, b=b)
+    return line
 
 
 def _rate_spread(s: Mapping[str, float]) -> dict[str, float]:
@@ -264,7 +285,8 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
         f = job_features(row["script"], request, gpu, gpus, history)
         base = memory_base_mib(f, row["script"], history)
         oom = gpu_oom(row, config)
-        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom})
+        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom,
+                         "family_then": _line_record(history.family(row["script"]["family"]))})
         heapq.heappush(ended, (ended_at(row), seq, {**row, "state": "OUT_OF_MEMORY" if oom else row["state"],
                                                      "oom": oom, "card_gib": gpu["memory_gib"]}))
     while ended:  # the snapshot shipped in the bundle knows every outcome
@@ -296,7 +318,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         gaps: dict[str, tuple[list[float], list[float]]] = {}
         for e, p in zip(calib, mem_predict([e["x"] for e in calib]), strict=True):
             ratio = math.log(e["peak"] / e["base"])
-            with_trees, alone = gaps.setdefault(memory_stratum(e["x"]), ([], []))
+            with_trees, alone = gaps.setdefault(memory_stratum(e["x"], e["family_then"]), ([], []))
             with_trees.append(ratio - p)
             alone.append(ratio)
         offsets, tree_strata = {}, []
@@ -453,7 +475,8 @@ def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[d
     run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"] and _known(e, config)]
 
     def bound(e: dict[str, Any]) -> float:
-        return e["base"] * math.exp(bundle.memory_ratio(e["x"], bundle.memory.predict(e["x"]), e["script"].get("arch")))
+        return e["base"] * math.exp(bundle.memory_ratio(e["x"], bundle.memory.predict(e["x"]), e["script"].get("arch"),
+                                                        e["family_then"]))
 
     def under(items: list[dict[str, Any]]) -> float | None:
         return sum(1 for e in items if bound(e) < e["peak"]) / len(items) if items else None
