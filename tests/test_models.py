@@ -771,3 +771,35 @@ def test_a_card_the_family_completes_on_fits_whatever_the_prediction(trained, co
                for c in d.per_type)
     moved = decide(bundle, config, text, free={"a100": 4, "v100": 0, "t4": 0})  # the V100s are busy
     assert moved.changes and f"its family's runs held on {held:g} GiB cards at this batch" in moved.reasons[-1]
+
+
+def test_a_family_whose_line_foretells_its_peaks_gets_a_tight_bound(config) -> None:
+    """ResNet's peaks exact on its line (the same program at another batch), the others with their
+    few percent of noise: ResNet's jobs within the batches it ran fall in the tight stratum and get a
+    bound closer to the truth than the others' margin allows, never under it; past its largest batch
+    the bound never falls (the family's margin at large takes over)."""
+    from slurmgpu.pipeline.bundle import memory_stratum
+
+    fixed, per_token = FAMILIES["resnet"][1], FAMILIES["resnet"][2]
+    rows = [{**r, "peak": fixed + per_token * math.exp(r["script"]["log_tokens"])}
+            if r["script"]["family"] == script_features(script_for("resnet", 8, 500, "a100"))["family"] and r["peak"]
+            else r for r in history(1500, seed=11)]
+    bundle = train.fit(rows, config, quantile=0.995, iterations=100)[0]
+    assert "3:3:tight" in bundle.memory_offsets
+
+    def bound(family: str, batch: int) -> tuple[float, float, str]:
+        gt = config.gpu_types["a100"]
+        sf = script_features(script_for(family, batch, 1000, "a100"))
+        f = job_features(sf, {"gpus_total": 1, "gpu_type": "a100", "req_gpu_mem_gib": gt.memory_gib},
+                         {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, 1, bundle.history)
+        x = [f[name] for name in train.NUMERIC]
+        truth = FAMILIES[family][1] + FAMILIES[family][2] * math.exp(sf["log_tokens"])
+        return bundle.predict(f, sf).peak_mem_mib, truth, memory_stratum(x, bundle.history.family(sf["family"]))
+
+    resnet = [bound("resnet", b) for b in (8, 16, 32, 64)]
+    assert all(s == "3:3:tight" and truth <= peak < truth * 1.05 for peak, truth, s in resnet), resnet
+    bert = [bound("bert", b) for b in (8, 16, 32, 64)]
+    assert all(s == "3:3" and peak / truth > max(p / t for p, t, _ in resnet) for peak, truth, s in bert), bert
+    beyond = [bound("resnet", b) for b in (64, 65, 128, 512)]
+    assert [s for _, _, s in beyond] == ["3:3:tight", "3:3", "3:3", "3:3"]
+    assert all(a[0] <= b[0] for a, b in zip(beyond, beyond[1:], strict=False)), beyond
