@@ -797,7 +797,7 @@ def test_a_family_whose_line_foretells_its_peaks_gets_a_tight_bound(config) -> N
         return bundle.predict(f, sf).peak_mem_mib, truth, memory_stratum(x, bundle.history.family(sf["family"]))
 
     resnet = [bound("resnet", b) for b in (8, 16, 32, 64)]
-    assert all(s == "3:3:tight" and truth <= peak < truth * 1.05 for peak, truth, s in resnet), resnet
+    assert all(s == "3:3:tight" and truth * (1 - 1e-9) <= peak < truth * 1.05 for peak, truth, s in resnet), resnet
     bert = [bound("bert", b) for b in (8, 16, 32, 64)]
     assert all(s == "3:3" and peak / truth > max(p / t for p, t, _ in resnet) for peak, truth, s in bert), bert
     beyond = [bound("resnet", b) for b in (64, 65, 128, 512)]

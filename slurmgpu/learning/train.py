@@ -318,9 +318,14 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         gaps: dict[str, tuple[list[float], list[float]]] = {}
         for e, p in zip(calib, mem_predict([e["x"] for e in calib]), strict=True):
             ratio = math.log(e["peak"] / e["base"])
-            with_trees, alone = gaps.setdefault(memory_stratum(e["x"], e["family_then"]), ([], []))
-            with_trees.append(ratio - p)
-            alone.append(ratio)
+            # A tight family's job counts in its stratum at large too: that margin stays what it was
+            # without the tight one (calibrated on the hard jobs alone it was narrower, and the scenario's
+            # OOMs rose), and it is the one a tight job past its family's batches takes.
+            stratum = memory_stratum(e["x"], e["family_then"])
+            for key in {stratum, stratum.removesuffix(":tight")}:
+                with_trees, alone = gaps.setdefault(key, ([], []))
+                with_trees.append(ratio - p)
+                alone.append(ratio)
         offsets, tree_strata = {}, []
         for k, (with_trees, alone) in gaps.items():
             if len(alone) >= MIN_STRATUM:
@@ -334,7 +339,8 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
             if k not in offsets and len(held_out) >= MIN_STRATUM:
                 offsets[k] = _upper(min(quantile, SIZE_QUANTILE), held_out)
         # A stratum with too few jobs to measure its quantile takes the trees and the largest margin.
-        pooled = _upper(quantile, [g for with_trees, _ in gaps.values() for g in with_trees])
+        pooled = _upper(quantile, [g for k, (with_trees, _) in gaps.items() if not k.endswith(":tight")
+                                   for g in with_trees])
         memory, source = {**mem_trees, "offsets": offsets, "tree_strata": sorted(tree_strata),
                           "default_offset": max([pooled, *offsets.values()])}, "telemetry"
     else:

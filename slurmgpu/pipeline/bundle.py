@@ -342,7 +342,7 @@ _BASE_KIND, _FAM_N, _LOG_TOKENS = NUMERIC.index("base_kind"), NUMERIC.index("fam
 # most families' peaks follow their line exactly (the same program at another batch), and one margin
 # wide enough for those whose peaks do not (hidden arguments, data-dependent shapes) put every bound
 # about 20% over (the demo: 0.0% of 347 held-out peaks under, the bound's median error 19.7%).
-TIGHT_LINE = 0.02
+TIGHT_LINE = 0.005
 TIGHT_AFTER = 3  # its last so many peaks, each foretold so: a line once wrong (a batch size never seen) may settle
 
 
