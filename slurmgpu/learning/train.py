@@ -204,8 +204,7 @@ class _Running:
         elif row["peak"] and row["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS:
             tokens = math.exp(row["script"]["log_tokens"])
             peak = row["peak"] + zero_shift_mib(row["script"], row["gpus"])  # as one GPU's (bundle.py)
-            line = _line(s)
-            if s["m"] >= 3 and line["b"] > 0:  # how well the family's line foretold this peak (memory_stratum)
+            if s["m"] >= 3 and (line := _line(s))["b"] > 0:  # how well its line foretold this peak (memory_stratum)
                 miss = abs(math.log(peak / one_gpu_base({"log_tokens": row["script"]["log_tokens"]}, line)))
                 s[f"miss:{int(s.get('line_n', 0.0)) % TIGHT_AFTER}"] = miss  # the last TIGHT_AFTER, in a ring
                 s["line_n"] = s.get("line_n", 0.0) + 1
@@ -480,15 +479,15 @@ def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[d
     mem = [e for e in all_mem if _known(e, config)]
     run = [e for e in tests if e["state"] == "COMPLETED" and e["elapsed"] and _known(e, config)]
 
-    def bound(e: dict[str, Any]) -> float:
-        return e["base"] * math.exp(bundle.memory_ratio(e["x"], bundle.memory.predict(e["x"]), e["script"].get("arch"),
-                                                        e["family_then"]))
+    bounds = {id(e): e["base"] * math.exp(bundle.memory_ratio(e["x"], bundle.memory.predict(e["x"]),
+                                                              e["script"].get("arch"), e["family_then"]))
+              for e in all_mem}  # mem is a part of all_mem: each bound once
 
     def under(items: list[dict[str, Any]]) -> float | None:
-        return sum(1 for e in items if bound(e) < e["peak"]) / len(items) if items else None
+        return sum(1 for e in items if bounds[id(e)] < e["peak"]) / len(items) if items else None
 
     ape = sorted(abs(math.exp(bundle.runtime.predict(e["x"])) - e["elapsed"]) / e["elapsed"] for e in run)
-    bound_error = sorted(abs(bound(e) / e["peak"] - 1) for e in mem)
+    bound_error = sorted(abs(bounds[id(e)] / e["peak"] - 1) for e in mem)
     return {
         "test_jobs": len(tests),
         "memory_jobs": len(mem),  # jobs of families with history: the ones decisions are made for

@@ -539,13 +539,10 @@ class Bundle:
         of its stratum's ratio and that of its family's jobs at large (``fam`` None), so that a batch
         past the tight range never needs less (the trees are monotone, the margins constant)."""
         stratum = memory_stratum(x, fam)
-        if stratum.endswith(":tight"):
-            at_large = self.memory_ratio(x, trees, arch)
-            if stratum not in self.memory_offsets:
-                return at_large
-            return min(at_large, (trees if stratum in self.memory_tree_strata else 0.0) + self.memory_offsets[stratum])
+        tight = stratum.endswith(":tight")
         if f"{stratum}@{arch}" in self.memory_offsets:
             return self.memory_offsets[f"{stratum}@{arch}"]
         if stratum not in self.memory_offsets:
-            return trees + self.memory_default_offset
-        return (trees if stratum in self.memory_tree_strata else 0.0) + self.memory_offsets[stratum]
+            return self.memory_ratio(x, trees, arch) if tight else trees + self.memory_default_offset
+        ratio = (trees if stratum in self.memory_tree_strata else 0.0) + self.memory_offsets[stratum]
+        return min(ratio, self.memory_ratio(x, trees, arch)) if tight else ratio
