@@ -18,10 +18,11 @@ import pytest
 from slurmgpu.apps.site import site_decider
 from slurmgpu.learning import train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
-from slurmgpu.pipeline.config import load_config
+from slurmgpu.pipeline.candidates import Candidate
+from slurmgpu.pipeline.config import Config, load_config
 from slurmgpu.pipeline.features import job_features, model_size_b, script_features
 from slurmgpu.pipeline.memory_bound import UNSEEN_PENALTY
-from slurmgpu.pipeline.policy import KeepDecider, ModelDecider
+from slurmgpu.pipeline.policy import KeepDecider, ModelDecider, prior_ranked
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.runtime_estimate import RuntimeEstimate, measured_ratio, speed_fit, speed_points
 from slurmgpu.pipeline.script import parse_script
@@ -685,19 +686,43 @@ def test_a_measured_ratio_is_weighed_by_its_runs_spread_against_the_datasheet(tr
     assert abs(weighed - target) < 0.1 * abs(other - target)
 
 
+def rate_family(config: Config, slope: float, runs: dict[str, tuple[int, ...]], sd: float = 0.05
+                ) -> dict[str, float]:
+    """A family's ``rate:`` figures, log speed = SLOPE x log datasheet speed + 0.3 x log tokens on each
+    (card, batches) of RUNS, four runs a batch, each run's log speed SD about its mean (small where
+    the work is in the script)."""
+    speed = {name: math.log(t.relative_speed) for name, t in config.gpu_types.items()}
+    rates = {f"rate:1x{card}@{tokens}": -(slope * speed[card] + 0.3 * math.log(tokens))
+             for card, batches in runs.items() for tokens in batches}
+    return {**rates, **{f"rate_n:{k[len('rate:'):]}": 4.0 for k in rates},
+            "rate_ss": 3 * len(rates) * sd ** 2, "rate_dof": 3.0 * len(rates)}
+
+
+def test_a_slope_measured_through_hidden_work_leans_on_the_sites(trained, config) -> None:
+    """The same means, but each run's log speed spread as wide as work hidden from the script spreads
+    it (SD 1.4): the family's own slope of 0.2 counts for less than the site's 0.9; measured
+    with the work in the script (SD 0.05) it decides."""
+    site = {f"s{i}": rate_family(config, 0.9, {"a100": (8, 64), "v100": (8, 64), "t4": (8,)}) for i in range(3)}
+
+    def slope(sd: float) -> float:
+        bundle = Bundle({**trained[0].data, "history": {"families": {
+            **site, "fam": rate_family(config, 0.2, {"a100": (8,), "v100": (8,)}, sd)}, "archs": {}}})
+        return RuntimeEstimate(config, bundle).speed_exponent({"family": "fam"}, 1)
+
+    assert abs(slope(0.05) - 0.2) < 0.1
+    assert abs(slope(1.4) - 0.9) < 0.2 < abs(slope(1.4) - 0.2)
+
+
 def test_a_familys_speed_slope_holds_its_batches_apart_and_leans_on_the_sites(trained, config) -> None:
     """Log speed = 0.6 x log datasheet speed + 0.3 x log tokens, the V100 given the large batches:
     the slope is 0.6, not what the confounded means say; a family that ran one type gets the
     site's pooled slope, and no evidence at all the datasheet's 1."""
-    speed = {name: math.log(t.relative_speed) for name, t in config.gpu_types.items()}
-
     def family(slope: float, runs: dict[str, tuple[int, ...]]) -> dict[str, float]:
-        return {f"rate:1x{card}@{tokens}": -(slope * speed[card] + 0.3 * math.log(tokens))
-                for card, batches in runs.items() for tokens in batches}
+        return rate_family(config, slope, runs)
 
     spread, measured = speed_fit([speed_points(config, family(0.6, {"a100": (8, 16), "v100": (64, 128)}), 1)])
     assert measured == pytest.approx(0.6) and spread > 0
-    naive = speed_fit([[(x, 0.0, y) for x, _, y in
+    naive = speed_fit([[(x, 0.0, y, w) for x, _, y, w in
                          speed_points(config, family(0.6, {"a100": (8, 16), "v100": (64, 128)}), 1)]])[1]
     assert abs(naive - 0.6) > 0.3  # the batch left out, the cards' speeds are confounded with it
     site = Bundle({**trained[0].data, "history": {"families": {
@@ -803,3 +828,34 @@ def test_a_family_whose_line_foretells_its_peaks_gets_a_tight_bound(config) -> N
     beyond = [bound("resnet", b) for b in (64, 65, 128, 512)]
     assert [s for _, _, s in beyond] == ["3:3:tight", "3:3", "3:3", "3:3"]
     assert all(a[0] <= b[0] for a, b in zip(beyond, beyond[1:], strict=False)), beyond
+
+
+@pytest.mark.parametrize(("v100_rank", "chosen"), [(0.50, "a100"), (0.40, "v100")])
+def test_between_close_moves_the_datasheet_faster_type_decides(config, v100_rank: float, chosen: str) -> None:
+    """Asked on T4s, the estimate ranks V100s first: 52% of the request's time on A100s against 50%
+    on V100s is a difference within ``min_gain`` (10%), and the datasheet-faster A100 is taken; 40%
+    parts them, and the V100s stand. Under another objective the estimate's ranking stands."""
+    fastest = config._replace(policy=config.policy._replace(objective="fastest"))
+    rows = {"t4": 1.0, "v100": v100_rank, "a100": 0.52}
+    table = [Candidate(t, 2, True, 1000.0, 3600.0 * r, 0.0) for t, r in rows.items()]
+    choices = table[1:]
+
+    def rank(c: Candidate) -> float:
+        return rows[c.gpu_type]
+
+    best = min(choices, key=rank)
+    assert prior_ranked(fastest, best, table[0], choices, rank).gpu_type == chosen
+    assert prior_ranked(config, best, table[0], choices, rank) is best  # balanced
+    assert prior_ranked(fastest, table[0], table[0], table, rank) is table[0]  # the request stands
+
+
+def test_a_timed_out_run_counts_in_its_familys_speed_only_where_the_work_is_hidden() -> None:
+    """Without a work argument which runs finish within the limit depends on their hidden work: a
+    timed-out run counts, at its limit, or the slow cards' long runs vanish and those cards look
+    fast. With the work in the script its speed is known from the runs that finished."""
+    hidden = script_features("#!/bin/bash\npython train.py --model resnet50 --batch-size 32\n")
+    shown = script_features("#!/bin/bash\npython train.py --model resnet50 --batch-size 32 --epochs 90\n")
+    timed_out = {"elapsed": 172800, "state": "TIMEOUT", "script": hidden}
+    assert train.rated(timed_out) and not train.rated({**timed_out, "script": shown})
+    assert train.rated({**timed_out, "state": "COMPLETED", "script": shown})
+    assert not train.rated({**timed_out, "state": "FAILED"})

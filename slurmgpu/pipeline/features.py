@@ -263,6 +263,8 @@ def _script_features(script: str) -> dict[str, Any]:
                                                  2.0 if "zero" in lowered or "ds_config" in lowered else 0.0),
         "nproc": _num(opts.get("nproc"), 1.0),
         "log_steps": log_size(steps),
+        # Not a model input: whether the amount of work is in the script at all (train.rated).
+        "work_shown": int(bool(opts.get("steps") or opts.get("epochs"))),
     }
 
 
