@@ -324,3 +324,21 @@ def test_live_candidates_are_startable_and_the_unstartable_ask_is_kept(bundle: A
         shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
                                check=True).stdout
         assert f"TresPerNode=gres:{shape}" in shown, shown
+
+
+def test_how_likely_a_measured_move_finishes_sooner() -> None:
+    """A move the family measured 10% faster: likelier the narrower its runs' spread, never where its
+    wait alone outlasts the request; a figure that is no measurement says nothing."""
+    from slurmgpu.pipeline.candidates import Candidate, sooner_probability
+
+    asked = Candidate("p100", 1, True, 1000.0, 3600.0, 0.0)
+
+    def move(sd: float | None, wait: float = 0.0) -> Candidate:
+        return Candidate("v100", 1, True, 1000.0, 3240.0, wait, ratio_sd=sd)
+
+    wide, narrow = sooner_probability(move(0.5), asked), sooner_probability(move(0.02), asked)
+    assert wide is not None and narrow is not None
+    assert 0.5 < wide < 0.65 and narrow > 0.99
+    assert sooner_probability(move(0.02, wait=3600.0), asked) == 0.0
+    assert sooner_probability(move(None), asked) is None
+    assert sooner_probability(move(0.0), asked) == 1.0

@@ -31,6 +31,8 @@ gpus_per_node = 4
     ("[gpu_types.t4]\nmemory_gib = true\n", "gpu_types.t4.memory_gib: expected"),
     ("[gpu_types.t4]\nmemory_gib = nan\n", "gpu_types.t4.memory_gib: must be a finite number, got nan"),
     ("[policy]\nmin_gain = inf\n", "policy.min_gain: must be a finite number, got inf"),
+    ("[policy]\nconfidence = 1\n", "policy.confidence: must be < 1, got 1"),
+    ("[policy]\nconfidence = 0.5\n", "policy.confidence: must be > 0.5, got 0.5"),
     ("oops = [\n", "invalid TOML"),
 ])
 def test_errors_name_the_key(tmp_path: Path, extra: str, fragment: str) -> None:

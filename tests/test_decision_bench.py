@@ -151,6 +151,8 @@ def test_a_small_instance_runs_end_to_end(tmp_path: Path) -> None:
     # The held-out jobs are in accounting (for evaluate's figures) but never in what was trained on.
     assert r["held_out"] == 24 and r["history_rows"] == len(bench.accounting(history, table, 2, False))
     assert r["evaluate_on_history"]["runtime_mdape"] > 0
+    # evaluate does not judge type choices by runtimes that spread with hidden work
+    assert r["evaluate_on_history"]["throughput_jobs"] == 0 < r["evaluate_on_history"]["throughput_hidden_work"]
     for name in ("decider", "requests", "datasheet", "oracle"):
         assert r[name]["jobs"] + r[name]["unmeasured"] == 24
     assert r["oracle"]["within_5pct"] == 1.0 and r["oracle"]["mean_ratio"] == 1.0 and r["oracle"]["oom"] == 0

@@ -676,8 +676,9 @@ def test_a_measured_ratio_is_weighed_by_its_runs_spread_against_the_datasheet(tr
     estimate = RuntimeEstimate(config, bundle)
     measured = measured_ratio(fam, ("v100", 1), ("a100", 1), math.log(64))
     assert measured == pytest.approx((-math.log(2), 2 / 3))
-    weighed = estimate.weighed_ratio(fam, measured, config.gpu_types["v100"], 1, "a100", 1,
-                                     lambda: estimate.speed_exponent({"family": "fam"}, 1, own=False))
+    weighed, sd = estimate.weighed_ratio(fam, measured, config.gpu_types["v100"], 1, "a100", 1,
+                                         lambda: estimate.speed_exponent({"family": "fam"}, 1, own=False))
+    assert sd is not None and 0 < sd < 0.3  # narrower than the datasheet's prior alone
     speeds = config.gpu_types
     datasheet = estimate.speed_exponent({"family": "fam"}, 1, own=False) * math.log(speeds["a100"].relative_speed /
                                                                           speeds["v100"].relative_speed)

@@ -25,7 +25,7 @@ from slurmgpu.learning.train import gpu_oom
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.features import log_rate, rate_keys
-from slurmgpu.pipeline.policy import Candidate, ModelDecider
+from slurmgpu.pipeline.policy import ModelDecider
 from slurmgpu.pipeline.request import JobRequest, build_request
 from slurmgpu.pipeline.script import parse_script
 
@@ -71,7 +71,7 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
                            "count_changed": 0, "placed_fits": 0, "placed_no_fit": 0, "placed_unknown": 0,
                            "oom_as_asked": 0, "oom_decided": 0, "runtime_h_as_asked": 0.0,
                            "runtime_h_decided": 0.0, "gpu_h_as_asked": 0.0, "gpu_h_decided": 0.0,
-                           "runtime_jobs": 0, "runtime_unmeasured": 0, "moves": []}
+                           "runtime_jobs": 0, "runtime_unmeasured": 0, "throughput_hidden_work": 0, "moves": []}
     under: dict[str, list[bool]] = defaultdict(list)
     picks: list[tuple[float | None, ...]] = []  # PICKERS' picks, each over the best measured throughput
     for row in test_rows:
@@ -118,7 +118,10 @@ def replay(bundle: Bundle, config: Config, train_rows: list[dict[str, Any]],
                 out["runtime_h_decided"] += decided_s / 3600
                 out["gpu_h_as_asked"] += row["elapsed"] * asked[1] / 3600
                 out["gpu_h_decided"] += decided_s * chosen[1] / 3600
-            picks.extend(_throughput(decider, sf, request, asked, rate))
+            if sf.get("work_shown", 1):
+                picks.extend(_throughput(decider, sf, asked, chosen[0], rate))
+            else:
+                out["throughput_hidden_work"] += 1
     n_fam = {f: v for f, v in under.items() if v}
     out["memory_jobs"] = sum(len(v) for v in n_fam.values())
     out["memory_under_predicted"] = (sum(sum(v) for v in n_fam.values()) / out["memory_jobs"]
@@ -184,12 +187,14 @@ def _runtime(rate: Mapping[str, float], chosen: tuple[str, int], sf: Mapping[str
     return float(row["elapsed"]) * math.exp(new - old)
 
 
-def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobRequest, asked: tuple[str, int],
+def _throughput(decider: ModelDecider, sf: Mapping[str, Any], asked: tuple[str, int], decided: str,
                 rate: Mapping[str, float]) -> list[tuple[float | None, ...]]:
     """For a job whose family ran at its GPU count on two or more types: the measured throughput of
-    the type the model predicts fastest, of the datasheet's fastest and of the type the user asked
-    for (``PICKERS``), relative to the best type measured. Types the job may not move to (bf16 on a
-    card without it) are left out."""
+    the type the decider chose (DECIDED, the request kept where its gain was too small), of the
+    datasheet's fastest and of the type the user asked for (``PICKERS``), relative to the best type
+    measured. Types the job may not move to (bf16 on a card without it) are left out. Only for a
+    script that shows its amount of work (the caller): else one family's runs spread with their
+    hidden work, and its medians judge a choice by the same noise the model learned from."""
     types = [t for t in decider.config.gpu_types
              if t == asked[0] or decider.runs_there(sf, asked[0], t)]
     for at in (0, 1):  # the job's own batch where two types ran it, else the family's batches together
@@ -198,19 +203,13 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], request: JobReques
             break
     else:
         return []
-    gpu = decider.config.gpu_types.get(asked[0])
-    req = {**request.to_json(), "gpu_type": asked[0], "gpus_total": asked[1],
-           "req_gpu_mem_gib": gpu.memory_gib if gpu else 0.0}
-    table: list[Candidate] = decider.candidates.build(sf, req, [(decider.config.gpu_types[t], asked[1]) for t in types],
-                                                     asked[1], {})
     best = min(measured.values())  # log seconds per unit of work: the smallest is the fastest
 
     def relative(t: str) -> float | None:
         return math.exp(best - measured[t]) if t in measured else None
 
-    model = min(table, key=lambda c: c.pred_runtime_s).gpu_type
     sheet = max(types, key=lambda t: decider.config.gpu_types[t].relative_speed)
-    return [(relative(model), relative(sheet), relative(asked[0]))]
+    return [(relative(decided), relative(sheet), relative(asked[0]))]
 
 
 def recorded_summary(r: Mapping[str, Any]) -> list[str]:
@@ -240,6 +239,9 @@ def summary(r: Mapping[str, Any]) -> list[str]:
         lines.append(f"  peak memory under-predicted on {r['memory_under_predicted']:.1%} of {r['memory_jobs']} jobs; "
                      f"{len(r['families_under_over_5pct'])} of {r['families_calibrated']} families (5+ jobs) "
                      "over 5%")
+    if r.get("throughput_hidden_work"):
+        lines.append(f"  type picked: not judged on {r['throughput_hidden_work']} completed jobs whose scripts show no "
+                     "amount of work (their family's runtimes spread with it, not with the card)")
     if r["throughput_jobs"]:
         lines.append(f"  type picked, on {r['throughput_jobs']} jobs whose family ran on several types: within 5% of "
                      "the best measured throughput [95% interval], mean of the best [interval]")

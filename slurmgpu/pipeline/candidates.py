@@ -38,6 +38,9 @@ class Candidate(NamedTuple):
     # margin if larger, within the limit. The bundle's 95th-percentile run time of the job on this
     # shape over its median: wider where jobs like it run less predictably.
     runtime_margin: float = 1.0
+    # Where the family ran both this shape and the one asked: the standard deviation of the log of
+    # pred_runtime_s over the request's (``RuntimeEstimate.weighed_ratio``); None elsewhere.
+    ratio_sd: float | None = None
 
 
 class CandidateTable:
@@ -76,11 +79,13 @@ class CandidateTable:
             known = f"{c}x{gt.name}" in seen
             runtime_margin = max(pred.runtime_upper_s / max(pred.runtime_s, 1e-9), 1.0)
             measured = measured_ratio(fam, (gt.name, c), (req_type, req_total), sf["log_tokens"])
+            ratio_sd = None
             if asked_pred is not None and measured is not None:
                 # The family ran both shapes at one batch: its own measured speed ratio there,
                 # weighed against the datasheet's by how many runs it rests on and how widely they spread.
-                runtime = asked_pred.runtime_s * math.exp(self.runtime.weighed_ratio(
-                    fam, measured, gt, c, req_type, req_total, prior_exponent))
+                ratio, ratio_sd = self.runtime.weighed_ratio(fam, measured, gt, c, req_type, req_total,
+                                                             prior_exponent)
+                runtime = asked_pred.runtime_s * math.exp(ratio)
             elif known:
                 runtime = pred.runtime_s
             elif asked_pred is not None and c == req_total and req_type and \
@@ -107,8 +112,7 @@ class CandidateTable:
             asked_shape = c == req_total and (req_type is None or gt.name == req_type)
             table.append(Candidate(gt.name, c, self.memory.fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
                                    pred.peak_mem_mib, runtime, self.expected_wait(gt.name, c, free, runtime, array),
-                                   margin,
-                                   runtime_margin))
+                                   margin, runtime_margin, ratio_sd))
         if busy is not None:
             full = {c.gpu_type: c for c in table if c.gpus == req_total}
             table = [full[c.gpu_type]._replace(gpus=c.gpus, expected_wait_s=c.expected_wait_s)
@@ -182,6 +186,21 @@ def clear_gain(config: Config, c: Candidate, baseline: Candidate) -> bool:
         return True
     return c.expected_wait_s + c.pred_runtime_s * c.runtime_margin < \
         baseline.expected_wait_s + baseline.pred_runtime_s
+
+
+def sooner_probability(c: Candidate, base: Candidate) -> float | None:
+    """The probability that C finishes before BASE, where C's runtime is the family's measured
+    ratio over the request's (``ratio_sd``; BASE's own deviation added where it has one): its log
+    normal about the estimate, waits as read. None where C's figure is no such measurement."""
+    if c.ratio_sd is None:
+        return None
+    sd = math.hypot(c.ratio_sd, base.ratio_sd or 0.0)
+    room = base.expected_wait_s + base.pred_runtime_s - c.expected_wait_s  # C's runtime must stay under it
+    if room <= 0:
+        return 0.0
+    if c.pred_runtime_s <= 0 or sd <= 0:
+        return 1.0 if c.pred_runtime_s < room else 0.0
+    return 0.5 * math.erfc(-(math.log(room) - math.log(c.pred_runtime_s)) / (sd * math.sqrt(2.0)))
 
 
 def fewest_fitting(config: Config, full: Candidate, table: list[Candidate]) -> Candidate | None:

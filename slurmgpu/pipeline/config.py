@@ -57,6 +57,9 @@ class Policy(NamedTuple):
     decider: str = "rules"
     objective: str = "balanced"
     min_gain: float = 0.10
+    # How likely a move for speed must be to finish sooner where the family measured both shapes
+    # (its runs' spread says how sure): such a move needs no ``min_gain``.
+    confidence: float = 0.9
     memory_margin: float = 0.10
     min_history: int = 3  # jobs of a family before its predictions are trusted
     scaling_factor: float = 1.25  # fewer GPUs are fine while runtime grows by at most this factor
@@ -229,12 +232,16 @@ class _Table:
             raise self._err(key, f"expected {getattr(kind, '__name__', 'a number')}, got {type(value).__name__}")
         return value
 
-    def number(self, key: str, default: Any = ..., *, low: float = 0.0, above: bool = True) -> float:
+    def number(self, key: str, default: Any = ..., *, low: float = 0.0, above: bool = True,
+               high: float = float("inf")) -> float:
+        """KEY's number, at least LOW (more than LOW if ABOVE) and under HIGH."""
         value = float(self.get(key, (int, float), default))
         if value != value or value in (float("inf"), float("-inf")):  # TOML allows nan and inf
             raise self._err(key, f"must be a finite number, got {value}")
         if value < low or (above and value == low):
             raise self._err(key, f"must be {'>' if above else '>='} {low:g}, got {value:g}")
+        if value >= high:
+            raise self._err(key, f"must be < {high:g}, got {value:g}")
         return value
 
     def names(self, key: str, default: Any = ...) -> tuple[str, ...]:
@@ -289,6 +296,7 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         decider=pol.get("decider", str, "rules"),
         objective=pol.get("objective", str, "balanced"),
         min_gain=pol.number("min_gain", 0.10, above=False),
+        confidence=pol.number("confidence", 0.9, low=0.5, high=1.0),
         memory_margin=pol.number("memory_margin", 0.10, above=False),
         min_history=int(pol.number("min_history", 3, above=False)),
         scaling_factor=pol.number("scaling_factor", 1.25, low=1.0, above=False),

@@ -20,6 +20,7 @@ from slurmgpu.pipeline.candidates import (
     finite,
     in_time_limit,
     score,
+    sooner_probability,
     usable,
 )
 from slurmgpu.pipeline.capacity import Capacity, need_of
@@ -388,11 +389,19 @@ class ModelDecider:
             """The candidate's score against the request as asked (lower is better)."""
             return score(self.config, c, baseline)
 
+        def sure(c: Candidate | None) -> float | None:
+            """Under ``fastest``, where the family measured both shapes: how likely C finishes sooner
+            than the request, if at least ``confidence`` (such a move needs no ``min_gain``)."""
+            p = sooner_probability(c, baseline) if c is not None and policy.objective == "fastest" else None
+            return p if p is not None and p >= policy.confidence and c != baseline else None
+
         # a choice whose score is unbounded (cheapest: too slow to count) gains nothing
-        choices = [c for c in in_time if clear_gain(self.config, c, baseline) and math.isfinite(rank(c))]
+        choices = [c for c in in_time if (clear_gain(self.config, c, baseline) or sure(c))
+                   and math.isfinite(rank(c))]
         risky = min((c for c in in_time if c not in choices), key=rank, default=None)
         best = prior_ranked(self.config, min(choices, key=rank, default=None), baseline, choices, rank)
         gain = 1.0 - rank(best) / rank(baseline) if best is not None else 0.0
+        weak = best is None or (gain < policy.min_gain and sure(best) is None)  # a gain too small to move for
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
         if new_family:
             if best is None or gain < policy.min_gain:
@@ -403,7 +412,7 @@ class ModelDecider:
             if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
                 gain = 1.0
         freed = None  # GPUs the family's runs left idle, given back where the job finishes no later
-        if busy and baseline.fits and (best is None or gain < policy.min_gain):
+        if busy and baseline.fits and weak:
             done = baseline.expected_wait_s + baseline.pred_runtime_s
             freed = min((c for c in table if c.gpu_type == baseline.gpu_type and busy[0] <= c.gpus < req_total
                          and c.fits and c.expected_wait_s + c.pred_runtime_s <= done and home(c) is not None),
@@ -412,8 +421,7 @@ class ModelDecider:
             best = freed or best
         if risky is not None and freed is None and \
                 1.0 - rank(risky) / rank(baseline) >= policy.min_gain and (
-                best is None or gain < policy.min_gain or (best.gpu_type, best.gpus) == (baseline.gpu_type,
-                                                                                          baseline.gpus)):
+                weak or (best is not None and (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus))):
             # The move the prediction's error vetoed is why the request stands: say so, not "best".
             upper = risky.expected_wait_s + risky.pred_runtime_s * risky.runtime_margin
             return self._keep(rule, f"model: {risky.gpus} x {risky.gpu_type}, slower than as asked, is predicted to "
@@ -427,7 +435,7 @@ class ModelDecider:
         if freed is None and (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus):
             return self._keep(rule, f"model: the request as asked is predicted best ({policy.objective})",
                               per_type, hint)
-        if freed is None and gain < policy.min_gain:
+        if freed is None and weak:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%})", per_type, hint)
         partition = home(best)
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
@@ -436,6 +444,9 @@ class ModelDecider:
         times = (f"predicted to finish in {(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
                  f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked")
         finish = f"{times} ({gain:.0%} {GAIN_WORDS[policy.objective]})"
+        if gain < policy.min_gain and (p := sure(best)) is not None:
+            finish += (f", {p:.0%} likely sooner by this family's runs on both (a gain under {policy.min_gain:.0%} "
+                       f"taken at {policy.confidence:.0%} confidence)")
         if freed:
             why = f"model: {best.gpus} x {best.gpu_type} of the {req_total} asked, {times}"
         elif new_family:
@@ -540,14 +551,16 @@ def prior_ranked(config: Config, best: Candidate | None, baseline: Candidate, ch
     datasheet-faster type of the same count replaces BEST when BEST's score is not at least
     ``min_gain`` better than its (the fastest such). Where work is hidden from the script two types'
     estimates a few percent apart say nothing of which is faster: in the decision benchmark the
-    estimate put a K80 job on a P100 0.5% ahead of a V100 measured 1.7 times faster. The request as
-    asked, when best, stands (a move away from it must gain ``min_gain`` on its own)."""
+    estimate put a K80 job on a P100 0.5% ahead of a V100 measured 1.7 times faster. Where the family
+    measured both against the request and BEST is ``confidence`` likely the sooner, it stays. The
+    request as asked, when best, stands (a move away from it must gain on its own)."""
     if best is None or config.policy.objective != "fastest" or (best.gpu_type, best.gpus) == (
             baseline.gpu_type, baseline.gpus):
         return best
     speed = config.gpu_types[best.gpu_type].relative_speed
     close = [c for c in choices if c.gpus == best.gpus and config.gpu_types[c.gpu_type].relative_speed > speed
-             and rank(best) > (1.0 - config.policy.min_gain) * rank(c)]
+             and rank(best) > (1.0 - config.policy.min_gain) * rank(c)
+             and not (c.ratio_sd is not None and (sooner_probability(best, c) or 0.0) >= config.policy.confidence)]
     return max(close, key=lambda c: config.gpu_types[c.gpu_type].relative_speed, default=best)
 
 

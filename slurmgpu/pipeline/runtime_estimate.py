@@ -44,25 +44,27 @@ class RuntimeEstimate:
         self.config, self.bundle = config, bundle
 
     def weighed_ratio(self, fam: Mapping[str, Any], measured: tuple[float, float | None], gt: GpuType, gpus: int,
-                      req_type: str | None, req_total: int, exponent: Callable[[], float]) -> float:
+                      req_type: str | None, req_total: int, exponent: Callable[[], float]
+                      ) -> tuple[float, float | None]:
         """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at
         ``exponent()``, the architecture's or site's speed exponent, never the family's own runs):
         precision-weighted, the measurement's variance the family's spread
         of log speed (``rate_variance``) over the runs on each side, the prior's ``PRIOR_RATIO_SD``.
         Where work is hidden from the script a ratio of a few runs says little and the datasheet
-        decides; runs of known work agree closely and decide for themselves. A count change, or a
-        bundle without run counts, keeps the measured ratio."""
+        decides; runs of known work agree closely and decide for themselves. With it, the weighed
+        figure's standard deviation (how sure a move on it is). A count change, or a bundle without
+        run counts, keeps the measured ratio, with no deviation."""
         ratio, weight = measured
         variance = self.rate_variance(fam)
         if weight is None or variance is None or gpus != req_total or not req_type or gt.name == req_type:
-            return ratio
+            return ratio, None
         if variance * weight <= 0:
-            return ratio
+            return ratio, None
         speeds = self.config.gpu_types
         prior = exponent() * math.log(
             max(speeds[req_type].relative_speed, 1e-9) / max(gt.relative_speed, 1e-9))
         w_measured, w_prior = 1.0 / (variance * weight), 1.0 / PRIOR_RATIO_SD ** 2
-        return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior)
+        return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior), (w_measured + w_prior) ** -0.5
 
     def rate_variance(self, fam: Mapping[str, Any]) -> float | None:
         """The variance of one run's log speed about its shape's mean: the family's (``rate_ss`` over
@@ -85,8 +87,9 @@ class RuntimeEstimate:
         tokens a second regressor (which runs went to which card must not pass for the card's
         speed), shrunk towards its architecture's (the other sizes and commands of its model,
         pooled), itself shrunk towards the site's (``site_exponent``), each by the measured slope's
-        precision (``speed_fit``) against ``SPEED_PRIOR``. In [0, ``MAX_SLOPE``]. Not ``own``: without the family's own runs (the
-        prior its own measured ratios are weighed against must not be made of them)."""
+        precision (``speed_fit``) against ``SPEED_PRIOR``. In [0, ``MAX_SLOPE``]. Not ``own``: without
+        the family's own runs (the prior its own measured ratios are weighed against must not be made
+        of them)."""
         prior = self.site_exponent()
         levels = [[self.points(fam, gpus) for fam in self.bundle.history.siblings(sf)]]
         if own:
