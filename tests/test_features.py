@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from slurmgpu.pipeline.features import HELD, RATE, HistoryStats, family_key, keys_at, model_size_b, script_features
@@ -85,3 +87,20 @@ def test_asking_about_families_the_history_lacks_keeps_nothing() -> None:
         assert history.held_bound_gib(f"unknown{i}", 1.0, 1) is None
     assert history.held_bound_gib("known", 1.0, 1) == 40.0
     assert set(history._family) == {"known"} and set(history._held) == {"known"}
+
+
+@pytest.mark.parametrize(("args", "steps", "shown"), [
+    ("--max-steps 5000", 5000, 1),
+    ("--train-iters 5000", 5000, 1),  # Megatron
+    ("--num_train_steps 5000", 5000, 1),
+    ("--max_epochs 3", 3000, 1),  # Lightning: epochs, a thousand steps each as for --epochs
+    ("--num_train_epochs 3", 3000, 1),
+    ("--train-samples 160000", 5000, 1),  # samples over the batch of 32
+    ("--max_train_samples 3200 --batch-size 64", 50, 1),
+    ("", 1000, 0),  # no work argument: one epoch's default, and the work not shown
+])
+def test_the_work_a_script_shows(args: str, steps: int, shown: int) -> None:
+    """Work arguments in their common spellings give the steps; without any the work is hidden
+    (``work_shown`` 0: the learning side then counts timed-out runs in the family's speed)."""
+    sf = script_features(f"#!/bin/bash\npython train.py --model resnet50 {args}\n")
+    assert sf["log_steps"] == pytest.approx(math.log(steps)) and sf["work_shown"] == shown

@@ -41,10 +41,16 @@ _OPTION_VALUE = {
     "seq_len": ("--seq-len", "--seq_len", "--max_seq_length", "--max-seq-length", "--max_length",
                 "--max-length", "--block_size", "--block-size", "--context-length"),
     "model": ("--model", "--model_name_or_path", "--model-name", "--model_name", "--arch", "--pretrained"),
-    "steps": ("--max-steps", "--max_steps", "--steps", "--num-steps", "--iterations", "--iters", "--num-batches",
-              "--num_batches", "--max_iters", "--train-steps", "--total-steps"),
+    "steps": ("--max-steps", "--max_steps", "--steps", "--num-steps", "--num_steps", "--iterations", "--iters",
+              "--num-batches", "--num_batches", "--max_iters", "--max-iters", "--train-steps", "--train_steps",
+              "--total-steps", "--total_steps", "--train-iters", "--train_iters", "--num-iterations",
+              "--num_iterations", "--num-train-steps", "--num_train_steps"),
     "new_tokens": ("--max-new-tokens", "--max_new_tokens"),
-    "epochs": ("--epochs", "--num_train_epochs", "--num-epochs"),
+    "epochs": ("--epochs", "--num_train_epochs", "--num-train-epochs", "--num-epochs", "--num_epochs",
+               "--max_epochs", "--max-epochs", "--n_epochs", "--n-epochs", "--trainer.max_epochs"),
+    # samples to train on (Megatron's --train-samples, the HF examples' --max_train_samples): steps of a batch
+    "samples": ("--train-samples", "--train_samples", "--max_train_samples", "--max-train-samples",
+                "--num-samples", "--num_samples"),
     "nproc": ("--nproc_per_node", "--nproc-per-node", "--num_processes", "--num-processes", "--num_gpus",
               "--num-gpus"),
     "zero": ("--zero", "--zero-stage", "--zero_stage"),
@@ -241,7 +247,8 @@ def _script_features(script: str) -> dict[str, Any]:
     batch = _num(opts.get("batch_size"), 32.0)
     seq = _num(opts.get("seq_len"), 0.0) or _num(opts.get("image_size"), 0.0) or 1.0
     # Generation jobs run one step per new token of every batch.
-    steps = (_num(opts.get("steps"), 0.0) or _num(opts.get("epochs"), 1.0) * 1000.0) * _num(opts.get("new_tokens"), 1.0)
+    steps = (_num(opts.get("steps"), 0.0) or _num(opts.get("samples"), 0.0) / max(batch, 1.0)
+             or _num(opts.get("epochs"), 1.0) * 1000.0) * _num(opts.get("new_tokens"), 1.0)
     zero_config = re.search(r"zero[_-]?(?:stage)?[_-]?(\d)", opts.get("deepspeed", ""), re.IGNORECASE)
     params_b = model_size_b(opts.get("model"), command)
     return {
@@ -264,7 +271,7 @@ def _script_features(script: str) -> dict[str, Any]:
         "nproc": _num(opts.get("nproc"), 1.0),
         "log_steps": log_size(steps),
         # Not a model input: whether the amount of work is in the script at all (train.rated).
-        "work_shown": int(bool(opts.get("steps") or opts.get("epochs"))),
+        "work_shown": int(bool(opts.get("steps") or opts.get("epochs") or opts.get("samples"))),
     }
 
 
