@@ -391,9 +391,16 @@ class ModelDecider:
 
         def sure(c: Candidate | None) -> float | None:
             """Under ``fastest``, where the family measured both shapes: how likely C finishes sooner
-            than the request, if at least ``confidence`` (such a move needs no ``min_gain``)."""
-            p = sooner_probability(c, baseline) if c is not None and policy.objective == "fastest" else None
-            return p if p is not None and p >= policy.confidence and c != baseline else None
+            than the request, if at least ``confidence`` (such a move needs no ``min_gain``). Only
+            onto cards of at least the asked one's memory: a small gain does not pay for the risk
+            of a smaller card (the scenario at load 0.9, seed 7: GPU OOMs 71 -> 107 and more
+            failures than as asked, with such moves onto smaller cards too)."""
+            types = self.config.gpu_types
+            if c is None or c == baseline or policy.objective != "fastest" or \
+                    types[c.gpu_type].memory_gib < types[baseline.gpu_type].memory_gib:
+                return None
+            p = sooner_probability(c, baseline)
+            return p if p is not None and p >= policy.confidence else None
 
         # a choice whose score is unbounded (cheapest: too slow to count) gains nothing
         choices = [c for c in in_time if (clear_gain(self.config, c, baseline) or sure(c))
