@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -860,3 +861,39 @@ def test_a_timed_out_run_counts_in_its_familys_speed_only_where_the_work_is_hidd
     assert train.rated(timed_out) and not train.rated({**timed_out, "script": shown})
     assert train.rated({**timed_out, "state": "COMPLETED", "script": shown})
     assert not train.rated({**timed_out, "state": "FAILED"})
+
+
+@pytest.mark.parametrize(("asked", "faster"), [("v100", "a100"), ("a100", "v100")])
+def test_a_small_measured_gain_moves_only_with_confidence_and_onto_no_smaller_card(trained, config, asked: str,
+                                                                                   faster: str) -> None:
+    """Forty runs of known work on each card (log speed SD 0.05), one card measured 7% faster: a
+    gain under ``min_gain`` (10%) that the runs make near certain moves the job, saying how likely
+    and what was used, onto the A100 (80 GiB); onto the V100 (32 GiB) the request stands."""
+    from slurmgpu.pipeline.features import rate_keys
+
+    fastest = config._replace(policy=config.policy._replace(objective="fastest"))
+    text = script_for("resnet", 16, 2000, asked)
+    sf = script_features(text)
+    key = {t: rate_keys(1, t, sf["log_tokens"])[0] for t in ("a100", "v100")}
+    data = trained[0].data
+    fam = {**data["history"]["families"][sf["family"]],
+           **{f"rate:{key[t]}": -9.0 - (math.log(1.07) if t == faster else 0.0) for t in key},
+           **{f"rate_n:{key[t]}": 40.0 for t in key}, "rate_ss": 78 * 0.05 ** 2, "rate_dof": 78.0}
+    bundle = Bundle({**data, "history": {**data["history"], "families": {**data["history"]["families"],
+                                                                         sf["family"]: fam}}})
+    d = decide(bundle, fastest, text)
+    if faster == "a100":
+        assert d.changes and d.changes[0].gpu_type == "a100", d.reasons
+        assert "likely sooner by this family's runs on both (a gain under 10% taken at 90% confidence)" in \
+            d.reasons[-1], d.reasons
+    else:
+        assert not d.changes and re.search(r"best choice gains [67]% \(< 10%\); request kept", d.reasons[-1]), d.reasons
+
+
+@pytest.mark.parametrize("objective", ["fastest", "balanced"])
+def test_a_request_that_does_not_fit_moves_even_to_a_card_that_finishes_later(trained, config, objective: str) -> None:
+    """As asked it runs out of memory; the one card it fits is busy, so that it finishes later than
+    the request would have: it still moves, whatever ``min_gain`` or ``confidence`` say of the gain."""
+    cfg = config._replace(policy=config.policy._replace(objective=objective))
+    d = decide(trained[0], cfg, script_for("llama", 24, 1000, "v100"), free={"a100": 0, "v100": 4, "t4": 4})
+    assert not _v100(d).fits and d.changes and d.changes[0].gpu_type == "a100", d.reasons

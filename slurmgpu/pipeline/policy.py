@@ -408,7 +408,6 @@ class ModelDecider:
         risky = min((c for c in in_time if c not in choices), key=rank, default=None)
         best = prior_ranked(self.config, min(choices, key=rank, default=None), baseline, choices, rank)
         gain = 1.0 - rank(best) / rank(baseline) if best is not None else 0.0
-        weak = best is None or (gain < policy.min_gain and sure(best) is None)  # a gain too small to move for
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
         if new_family:
             if best is None or gain < policy.min_gain:
@@ -418,6 +417,7 @@ class ModelDecider:
                 if not baseline.fits else borderline(baseline, self.config.gpu_types[baseline.gpu_type])
             if not baseline.fits:  # the job as asked would run out of GPU memory: any fitting choice wins
                 gain = 1.0
+        weak = best is None or (gain < policy.min_gain and sure(best) is None)  # a gain too small to move for
         freed = None  # GPUs the family's runs left idle, given back where the job finishes no later
         if busy and baseline.fits and weak:
             done = baseline.expected_wait_s + baseline.pred_runtime_s
@@ -436,6 +436,11 @@ class ModelDecider:
                               f"{upper / 60:.0f} min at its upper runtime, vs "
                               f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked: "
                               "a gain within the prediction's error", per_type, hint)
+        if risky is not None and freed is None and rank(risky) < rank(baseline) and (
+                best is None or (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus)):
+            # Predicted sooner, by less than min_gain, and not sure enough to move for: not "best as asked".
+            return self._keep(rule, f"model: best choice gains {1.0 - rank(risky) / rank(baseline):.0%} "
+                              f"(< {policy.min_gain:.0%})", per_type, hint)
         if best is None:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit",
                               per_type, hint)
@@ -560,12 +565,14 @@ def prior_ranked(config: Config, best: Candidate | None, baseline: Candidate, ch
     estimates a few percent apart say nothing of which is faster: in the decision benchmark the
     estimate put a K80 job on a P100 0.5% ahead of a V100 measured 1.7 times faster. Where the family
     measured both against the request and BEST is ``confidence`` likely the sooner, it stays. The
-    request as asked, when best, stands (a move away from it must gain on its own)."""
+    request itself is no such alternative (a move must gain on its own against it), nor, when best,
+    replaced."""
     if best is None or config.policy.objective != "fastest" or (best.gpu_type, best.gpus) == (
             baseline.gpu_type, baseline.gpus):
         return best
     speed = config.gpu_types[best.gpu_type].relative_speed
-    close = [c for c in choices if c.gpus == best.gpus and config.gpu_types[c.gpu_type].relative_speed > speed
+    close = [c for c in choices if c != baseline and c.gpus == best.gpus
+             and config.gpu_types[c.gpu_type].relative_speed > speed
              and rank(best) > (1.0 - config.policy.min_gain) * rank(c)
              and not (c.ratio_sd is not None and (sooner_probability(best, c) or 0.0) >= config.policy.confidence)]
     return max(close, key=lambda c: config.gpu_types[c.gpu_type].relative_speed, default=best)
