@@ -392,9 +392,8 @@ class ModelDecider:
         def sure(c: Candidate | None) -> float | None:
             """Under ``fastest``, where the family measured both shapes: how likely C finishes sooner
             than the request, if at least ``confidence`` (such a move needs no ``min_gain``). Only
-            onto cards of at least the asked one's memory: a small gain does not pay for the risk
-            of a smaller card (the scenario at load 0.9, seed 7: GPU OOMs 71 -> 107 and more
-            failures than as asked, with such moves onto smaller cards too)."""
+            onto cards of at least the asked one's memory: the confidence is in the speed, and a
+            gain under ``min_gain`` is not worth the memory bound's own risk on a smaller card."""
             types = self.config.gpu_types
             if c is None or c == baseline or policy.objective != "fastest" or \
                     types[c.gpu_type].memory_gib < types[baseline.gpu_type].memory_gib:
