@@ -392,11 +392,12 @@ class ModelDecider:
         def sure(c: Candidate | None) -> float | None:
             """Under ``fastest``, where the family measured both shapes: how likely C finishes sooner
             than the request, if at least ``confidence`` (such a move needs no ``min_gain``). Only
-            onto cards of at least the asked one's memory: the confidence is in the speed, and a
-            gain under ``min_gain`` is not worth the memory bound's own risk on a smaller card."""
+            onto cards of at least the asked one's memory and with no longer a wait: the confidence
+            is in the measured speed, not in the queue's estimate, and a gain under ``min_gain`` is
+            not worth the memory bound's own risk on a smaller card."""
             types = self.config.gpu_types
-            if c is None or c == baseline or policy.objective != "fastest" or \
-                    types[c.gpu_type].memory_gib < types[baseline.gpu_type].memory_gib:
+            if c is None or c == baseline or policy.objective != "fastest" or c.expected_wait_s > \
+                    baseline.expected_wait_s or types[c.gpu_type].memory_gib < types[baseline.gpu_type].memory_gib:
                 return None
             p = sooner_probability(c, baseline)
             return p if p is not None and p >= policy.confidence else None
