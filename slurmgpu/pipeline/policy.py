@@ -398,7 +398,7 @@ class ModelDecider:
             limit's on a slower one (the scenario, seed 1 at load 0.6: mean JCT 2.41 h with this,
             2.75 h with confident moves onto slower cards)."""
             types = self.config.gpu_types
-            if c is None or c == baseline or policy.objective != "fastest" or c.expected_wait_s > \
+            if c is None or same_shape(c, baseline) or policy.objective != "fastest" or c.expected_wait_s > \
                     baseline.expected_wait_s or types[c.gpu_type].memory_gib < types[baseline.gpu_type].memory_gib \
                     or types[c.gpu_type].relative_speed < types[baseline.gpu_type].relative_speed:
                 return None
@@ -431,7 +431,7 @@ class ModelDecider:
             best = freed or best
         if risky is not None and freed is None and \
                 1.0 - rank(risky) / rank(baseline) >= policy.min_gain and (
-                weak or (best is not None and (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus))):
+                weak or same_shape(best, baseline)):
             # The move the prediction's error vetoed is why the request stands: say so, not "best".
             upper = risky.expected_wait_s + risky.pred_runtime_s * risky.runtime_margin
             return self._keep(rule, f"model: {risky.gpus} x {risky.gpu_type}, slower than as asked, is predicted to "
@@ -440,14 +440,14 @@ class ModelDecider:
                               f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked: "
                               "a gain within the prediction's error", per_type, hint)
         if risky is not None and freed is None and rank(risky) < rank(baseline) and (
-                best is None or (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus)):
+                best is None or same_shape(best, baseline)):
             # Predicted sooner, by less than min_gain, and not sure enough to move for: not "best as asked".
             return self._keep(rule, f"model: best choice gains {1.0 - rank(risky) / rank(baseline):.0%} "
                               f"(< {policy.min_gain:.0%})", per_type, hint)
         if best is None:
             return self._keep(rule, "model: no other candidate fits the predicted memory within the time limit",
                               per_type, hint)
-        if freed is None and (best.gpu_type, best.gpus) == (baseline.gpu_type, baseline.gpus):
+        if freed is None and same_shape(best, baseline):
             return self._keep(rule, f"model: the request as asked is predicted best ({policy.objective})",
                               per_type, hint)
         if freed is None and weak:
@@ -560,6 +560,12 @@ class ModelDecider:
         t = self.config.gpu_types.get(gtype or "")
         return t.memory_gib if t else 0.0
 
+
+def same_shape(a: Candidate | None, b: Candidate) -> bool:
+    """Whether A is B's GPU type and count (a row of the table is one shape)."""
+    return a is not None and (a.gpu_type, a.gpus) == (b.gpu_type, b.gpus)
+
+
 def prior_ranked(config: Config, best: Candidate | None, baseline: Candidate, choices: list[Candidate],
                  rank: Callable[[Candidate], float]) -> Candidate | None:
     """Between moves, the hardware prior decides unless the estimate parts them: under ``fastest`` a
@@ -570,11 +576,10 @@ def prior_ranked(config: Config, best: Candidate | None, baseline: Candidate, ch
     measured both against the request and BEST is ``confidence`` likely the sooner, it stays. The
     request itself is no such alternative (a move must gain on its own against it), nor, when best,
     replaced."""
-    if best is None or config.policy.objective != "fastest" or (best.gpu_type, best.gpus) == (
-            baseline.gpu_type, baseline.gpus):
+    if best is None or config.policy.objective != "fastest" or same_shape(best, baseline):
         return best
     speed = config.gpu_types[best.gpu_type].relative_speed
-    close = [c for c in choices if c != baseline and c.gpus == best.gpus
+    close = [c for c in choices if not same_shape(c, baseline) and c.gpus == best.gpus
              and config.gpu_types[c.gpu_type].relative_speed > speed
              and rank(best) > (1.0 - config.policy.min_gain) * rank(c)
              and not (c.ratio_sd is not None and (sooner_probability(best, c) or 0.0) >= config.policy.confidence)]
