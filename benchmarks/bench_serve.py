@@ -190,13 +190,24 @@ def hostile(n: int = 8) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time so far of a process and its running children (the workers)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    """User plus system CPU time so far of a process and its running descendants (the workers and
+    their record writers)."""
     total = 0
-    for p in [pid, *map(int, children)]:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [pid, *(p for child in map(int, children) for p in _tree(child))]
 
 
 if __name__ == "__main__" and os.environ.get("HOSTILE"):

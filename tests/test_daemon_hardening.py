@@ -356,12 +356,12 @@ def test_the_record_writer_waits_a_moment_to_write_records_together(tmp_path: Pa
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """At a few hundred answers a second records arrive one by one: written as they came, each was a
     flush of the filesystem of its own."""
-    from slurmgpu.apps import serve
+    from slurmgpu.apps.serve_records import DecisionRecords
+    from slurmgpu.pipeline import spool
 
-    records = serve.DecisionRecords(str(tmp_path), "c")
-    batches: list[int] = []
-    monkeypatch.setattr(records, "write", lambda builds: batches.append(len(builds)))
-    for _ in range(5):
-        records.put(dict)
-        time.sleep(serve.DecisionRecords.LINGER_S / 20)
-    assert records.flush() and batches == [5]
+    records = DecisionRecords(str(tmp_path), "c", dict)
+    for n in range(5):
+        records.put(("made", spool.new_record(job_id=str(n))))
+        time.sleep(DecisionRecords.LINGER_S / 20)
+    assert records.close() and (records.written, records.flushes) == (5, 1)
+    assert len(list(tmp_path.glob("sub-*.json"))) == 5

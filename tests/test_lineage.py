@@ -14,7 +14,6 @@ import pwd
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -27,6 +26,7 @@ from test_slurm_lua import site  # noqa: F401 - the hook installed in slurmctld 
 from test_spool_trust import USER, _spool_dir, accounts, as_user  # noqa: F401 - accounts: a fixture
 
 from slurmgpu.apps import serve, serve_socket
+from slurmgpu.apps.serve_records import DecisionRecords
 from slurmgpu.history import db, ingest, queries
 from slurmgpu.learning import registry
 from slurmgpu.pipeline import spool
@@ -214,38 +214,35 @@ def test_the_daemon_writes_queued_records_with_one_flush_per_batch(tmp_path: Pat
     monkeypatch.setattr(spool, "_syncfs", lambda fd: events.append(f"syncfs {sorted(os.listdir(tmp_path))}") or True)
     monkeypatch.setattr(spool, "sync_dir", lambda d: events.append(f"sync_dir {d}"))
     monkeypatch.setattr(os, "fsync", lambda fd: events.append("fsync"))
-    records = serve.DecisionRecords(str(tmp_path), "c")
-    for n in range(5):
-        records.pending.put_nowait(lambda n=n: spool.new_record(job_id=str(n)))
-    records.pending.put_nowait(lambda: {"no": "record id"})  # fails: counted, the others still written
-    records._start()
-    assert records.flush()
+    records = DecisionRecords(str(tmp_path), "c", dict)
+    batch = [("made", spool.new_record(job_id=str(n))) for n in range(5)]
+    records.write([*batch, ("made", {"no": "record id"})])  # that one fails: counted, the others still written
     assert sorted(json.loads(p.read_text())["job_id"] for p in tmp_path.glob("sub-*.json")) == list("01234")
     assert (records.written, records.failed) == (5, 1)
     assert len(events) == 2 and events[1] == f"sync_dir {tmp_path}"
     assert events[0].startswith("syncfs") and "sub-" not in events[0].replace(".sub-", "")  # temp names only
 
 
-def test_a_burst_of_records_is_written_whole_none_lost(tmp_path: Path) -> None:
+def test_a_burst_of_records_is_written_whole_none_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """3,000 records queued at once (3 s of the daemon at 1,000 requests/s) are all written, each a whole
     record the ingest parses, and no temp file is left; only a queue of MAX_QUEUED waiting records drops
     one, and ``health`` reports the count."""
-    records = serve.DecisionRecords(str(tmp_path), "c")
+    records = DecisionRecords(str(tmp_path), "c", dict)
     for n in range(3000):
-        records.put(lambda n=n: record(str(n), source="lua", user="alice", uid=1234))
-    assert records.flush(60)
+        records.put(("made", record(str(n), source="lua", user="alice", uid=1234)))
+    assert records.close(60)
     files = sorted(tmp_path.iterdir())
     assert (records.written, records.dropped, records.failed, len(files)) == (3000, 0, 0, 3000)
     assert {ingest.parse_submission(ingest.open_spool_file(str(f)))["job_id"] for f in files} == \
         {str(n) for n in range(3000)}
 
-    full = serve.DecisionRecords(str(tmp_path / "full"), "c")
+    full = DecisionRecords(str(tmp_path / "full"), "c", dict)
     full.MAX_QUEUED = 3
-    full.pending = serve.queue.Queue(full.MAX_QUEUED)
-    full._thread = threading.current_thread()  # no writer: the queue fills
+    monkeypatch.setattr(full, "_run", lambda: time.sleep(30))  # a writer that takes nothing: the queue fills
     for n in range(5):
-        full.put(lambda n=n: spool.new_record(job_id=str(n)))
-    assert (full.pending.qsize(), full.dropped) == (3, 2)
+        full.put(("made", spool.new_record(job_id=str(n))))
+    assert (full.queued, full.dropped) == (3, 2)
+    assert not full.close(0.2) and full.written == 0
 
 
 def test_a_batch_falls_back_to_an_fsync_per_file_and_a_failed_file_is_its_own(tmp_path: Path,

@@ -77,22 +77,20 @@ import json
 import logging
 import os
 import pwd
-import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import UTC, date, datetime
 from typing import Any, NamedTuple
 
 from slurmgpu import __version__
 from slurmgpu.apps import metrics
 from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, call  # noqa: F401 - re-exported
+from slurmgpu.apps.serve_records import DecisionRecords
 from slurmgpu.apps.site import slurm_admits
 from slurmgpu.pipeline.bundle import Bundle  # imported here, as root: after --run-as the install may be unreadable
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.decision_tag import decision_tag, new_decision_id
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.features import hexdigest, script_features
 from slurmgpu.pipeline.modes import ADVISE, Resolution, advised, resolve, waived
 
 try:  # a long-running daemon can afford numpy: it evaluates all candidate types in one pass
@@ -106,7 +104,6 @@ from slurmgpu.pipeline.queue import GpuLedger, Waits
 from slurmgpu.pipeline.request import GPU_OPTIONS, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, _new_gpu_value, describe
 from slurmgpu.pipeline.script import encode, parse_script
-from slurmgpu.pipeline.spool import SOURCES, new_record, record_file, record_mode, script_text, write_files
 from slurmgpu.slurm.partitions import PartitionRules, user_groups
 
 FREE_GPUS_EVERY_S = 10.0
@@ -126,7 +123,6 @@ DECISION_SOURCES = {"decide": "hook", "plan": "gsbatch"}  # op -> its metrics la
 NO_VAL16, NO_VAL = 0xFFFE, 0xFFFFFFFE  # Slurm's "unset"; anything at or above is a sentinel
 
 log = logging.getLogger("slurmgpu.apps.serve")
-hexdigest("sha256", b"")  # loads the hash module now, as root: after --run-as the install may be unreadable
 
 # job_desc field -> the sbatch option that fills it (--gpus-per-node also lands in tres_per_node)
 TRES_FIELDS = {"tres_per_node": "gres", "tres_per_job": "gpus", "tres_per_task": "gpus-per-task",
@@ -303,154 +299,6 @@ class ModelState(NamedTuple):
     digest: str | None = None  # Bundle.digest of the file's bytes: the model version decisions record
 
 
-class DecisionRecords:
-    """The hook's decisions as submission records (source "lua") in the submission spool, for the
-    ingest: the same drop box and format as gsbatch's records. The daemon runs as the nightly account
-    (``render serve``: ``--run-as slurmgpu``) or root, whose records the ingest trusts to name the job's
-    user; it learnt that user from slurmctld (``job_desc.user_id``), never from the request.
-
-    The request path only queues; a thread builds and writes each record (script features, the
-    hash, a file on disk before it is renamed into the spool), so a slow disk never holds slurmctld.
-    A full queue (MAX_QUEUED records waiting: the disk has stalled) drops records, counted in
-    ``health`` and logged, never a request. The job id is not known yet when slurmctld asks: a model
-    decision carries a decision id, and its tag in the job's AdminComment links the job to the record.
-    Each queued item is a function that builds the record: a request answered in a child process
-    (serve_socket) has its records built there (``sink``) and queued here already built."""
-
-    MAX_QUEUED = 10_000
-    BATCH = 64  # records written per flush of the spool's filesystem, at most
-    # How long the writer waits for more records before it flushes a batch: at a few hundred answers
-    # a second a batch held one or two records, each batch a flush of the filesystem. Measured on the
-    # socket server in-process, two clients at about 300 answers/s: 1.56 ms of CPU a request as they
-    # came, 1.40 waiting 0.05 s, 1.12 waiting 0.2 s (0.58 with no records). A record reaches the
-    # disk this much later at most; the request never waits for it.
-    LINGER_S = 0.2
-
-    def __init__(self, directory: str, cluster: str | None) -> None:
-        self.directory, self.cluster = directory, cluster
-        self.pending: queue.Queue[Callable[[], dict[str, Any]] | None] = queue.Queue(self.MAX_QUEUED)
-        self.sink: Callable[[Callable[[], dict[str, Any]]], None] | None = None  # instead of the queue
-        self.written = self.dropped = self.failed = 0
-        self.last_error: str | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def add(self, decision: dict[str, Any], job: Mapping[str, Any], request: JobRequest,
-            who: Who) -> dict[str, Any]:
-        """Queue the decision's record; returns the reply with the decision id and, where the hook
-        should put it in the job's AdminComment, the tag (model decisions it applies)."""
-        if who.name is None and who.uid is None:
-            return decision  # nobody to attribute it to: not recorded
-        out = {**decision, "id": new_decision_id()}
-        if out.get("decider") == "model" and out.get("mode") != ADVISE and not out.get("waiver") \
-                and not out.get("refused"):
-            main = request.main
-            out["tag"] = decision_tag(out, out["id"], main.gpu_type, main.gpus_total)
-        build = functools.partial(self.record, out, dict(job), request, who)
-        if self.sink is not None:
-            self.sink(build)
-        else:
-            self.put(build)
-        return out
-
-    def put(self, build: Callable[[], dict[str, Any]]) -> None:
-        """Queue one record, made by ``build`` in the writer thread."""
-        self._start()
-        try:
-            self.pending.put_nowait(build)
-        except queue.Full:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("decision records dropped: %d (the spool %s is not keeping up)", self.dropped,
-                            self.directory)
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="slurmgpu-records", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        """Write what is queued in batches of up to BATCH records, with one flush of the spool's
-        filesystem and one fsync of the directory for the batch (``write_files``), not an fsync per
-        record: 950-1,450 records a second built and written on this project's shared machine, where
-        an fsync each gave about 210, fewer than the daemon answers under load."""
-        backlog = False
-        while True:
-            batch = [self.pending.get()]
-            if batch[-1] is not None and not backlog:
-                time.sleep(self.LINGER_S)  # the next records join this batch, none waking this thread
-            while batch[-1] is not None and len(batch) < self.BATCH:
-                try:
-                    batch.append(self.pending.get_nowait())
-                except queue.Empty:
-                    break
-            backlog = len(batch) == self.BATCH
-            try:
-                self.write([item for item in batch if item is not None])
-            finally:
-                for _ in batch:
-                    self.pending.task_done()
-            if batch[-1] is None:
-                return
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued record is written (or given up); True when none is left."""
-        deadline = time.monotonic() + timeout_s
-        while self.pending.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self.pending.unfinished_tasks
-
-    def record(self, decision: Mapping[str, Any], job: Mapping[str, Any], request: JobRequest,
-               who: Who) -> dict[str, Any]:
-        """The spool record of one decision (built here, in the writer thread)."""
-        script = request.script
-        data = script.data if script is not None else None
-        features = None
-        if script is not None:
-            try:
-                features = script_features(script.text)
-            except ValueError:
-                features = None
-        fields = {k: v for k, v in job.items() if k != "script" and isinstance(v, str | int | float | bool)}
-        return new_record(
-            cluster=self.cluster, job_id=None, sbatch_exit=None, source=SOURCES[1],
-            user=who.name if who.name is not None else str(who.uid), uid=who.uid,
-            script_sha256=hexdigest("sha256", data) if data is not None else None, script_text=script_text(data),
-            model_version=decision.get("model_version"),
-            features={"script": features, "script_name": job.get("name") if isinstance(job.get("name"), str) else None,
-                      "job": fields},
-            original_request=request.to_json(), decision={k: v for k, v in decision.items() if k != "tag"},
-            changed=bool(decision.get("apply")))
-
-    def write(self, builds: Sequence[Callable[[], dict[str, Any]]]) -> None:
-        """Build and write records, atomically and durably; one that could not be is counted and logged."""
-        files: list[tuple[str, bytes]] = []
-        for build in builds:
-            try:
-                files.append(record_file(self.directory, build()))
-            except Exception as exc:  # noqa: BLE001 - a record is never worth a request; say so, carry on
-                self._failed(exc)
-        if not files:
-            return
-        try:
-            results: Sequence[OSError | None] = write_files(self.directory, files, record_mode(self.directory))
-        except OSError as exc:
-            results = [exc] * len(files)
-        for result in results:
-            if result is None:
-                self.written += 1
-            else:
-                self._failed(result)
-
-    def _failed(self, exc: Exception) -> None:
-        self.failed += 1
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
-        if why != self.last_error or self.failed % 1000 == 0:
-            log.warning("decision record not written to %s: %s (%d so far)", self.directory, why, self.failed)
-        self.last_error = why
-
-
 class Service:
     """Decides jobs with the config's decider and the newest usable model."""
 
@@ -468,7 +316,10 @@ class Service:
             from slurmgpu.history import db  # noqa: F401
         # Decisions made for slurmctld's hook go as spool records into ``record_spool`` (lineage), written
         # by a background thread off the request path; None records nothing.
-        self.records = DecisionRecords(record_spool, config.site.cluster) if record_spool else None
+        self.features = config.gpu_features()
+        self.records = DecisionRecords(record_spool, config.site.cluster,
+                                       functools.partial(job_request, gpu_features=self.features)) \
+            if record_spool else None
         # The queue view (expected wait per type and count); None until read: idle GPUs then.
         self.fetch_queue = queue
         self.ledger: tuple[GpuLedger, float] | None = None  # and when it was read (monotonic)
@@ -484,7 +335,6 @@ class Service:
         self.users = Users()  # emptied at each refresh of the cluster view
         self.model = ModelState()
         self.fixed: Decider | None = None if self.model_path else make_decider(config)
-        self.features = config.gpu_features()
         self.started = time.monotonic()
         self.count = 0  # requests handled (several threads count: see _counter)
         self.stopped = threading.Event()

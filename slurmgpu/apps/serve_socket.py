@@ -7,7 +7,6 @@ with each client's kernel-reported identity (a request never says who it is for;
 from __future__ import annotations
 
 import contextlib
-import functools
 import grp
 import json
 import logging
@@ -338,7 +337,7 @@ class Server:
                 code = 1
                 try:
                     os.close(read_end)
-                    built: list[Callable[[], dict[str, Any]]] = []
+                    built: list[tuple[Any, ...]] = []
                     if records is not None:
                         records.sink = built.append
                     observed: list[metrics.Observed] = []
@@ -348,9 +347,10 @@ class Server:
                         for seen in observed:
                             out.write(_json_line({"observed": list(seen)}))
                         out.flush()
-                        for build in built:
+                        for queued in built:  # only there when this daemon records
+                            assert records is not None
                             try:
-                                out.write(_json_line({"record": build()}))
+                                out.write(_json_line({"record": records.build(queued)}))
                             except Exception as exc:  # noqa: BLE001 - counted as failed by the writer
                                 out.write(_json_line({"error": f"{type(exc).__name__}: {exc}"}))
                     code = 0
@@ -382,7 +382,7 @@ class Server:
                 if "observed" in item:
                     metrics.record(metrics.Observed._make(item["observed"]))
                 elif records is not None:
-                    records.put(functools.partial(_made, item))
+                    records.put(("made", item["record"]) if "record" in item else ("failed", item.get("error")))
             answer(items[0] if items else
                    {"ok": False, "error": "internal error: the request's process ended without an answer"})
         finally:
@@ -450,13 +450,6 @@ class Server:
 
 def _json_line(value: Mapping[str, Any]) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode() + b"\n"
-
-
-def _made(item: Mapping[str, Any]) -> dict[str, Any]:
-    """A decision record a child built (DecisionRecords' writer writes it), or why it could not."""
-    if "record" not in item:
-        raise ValueError(item.get("error"))
-    return dict(item["record"])
 
 
 def bind(path: str, access: Access, mode: int) -> tuple[socket.socket, int]:
@@ -547,5 +540,5 @@ def run(server: Server, run_as: str | None = None) -> None:
     finally:
         server.service.stopped.set()
         server.server_close()
-        if server.service.records is not None and not server.service.records.flush():
+        if server.service.records is not None and not server.service.records.close():
             log.warning("decision records still queued at exit were not written")

@@ -239,7 +239,7 @@ class Supervisor:
                 self.service.stopped.set()
                 server.server_close()
                 records = self.service.records
-                if records is not None and not records.flush():
+                if records is not None and not records.close():
                     log.warning("decision records still queued at exit were not written")
             code = 0
         except BaseException:  # noqa: BLE001 - said in the log; the supervisor replaces this worker
