@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from slurmgpu.pipeline.bundle import Prediction
 from slurmgpu.pipeline.capacity import Capacity, Need, NodeGpus, need_of, node_up
 from slurmgpu.pipeline.config import Config, GpuType, Partition, load_config
-from slurmgpu.pipeline.policy import Decision, GpuMemAsk, ModelDecider, RuleDecider, decide_gpu_mem
+from slurmgpu.pipeline.gpu_mem import GpuMemAsk, decide_gpu_mem
+from slurmgpu.pipeline.policy import Decision, ModelDecider, RuleDecider
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
 

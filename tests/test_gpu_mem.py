@@ -19,8 +19,9 @@ import pytest
 from slurmgpu.apps import gsbatch
 from slurmgpu.pipeline.config import load_config
 from slurmgpu.pipeline.errors import InputError
+from slurmgpu.pipeline.gpu_mem import GpuMemAsk, decide_gpu_mem
 from slurmgpu.pipeline.plan import make_plan
-from slurmgpu.pipeline.policy import GpuMemAsk, KeepDecider, RuleDecider, decide_gpu_mem, make_decider
+from slurmgpu.pipeline.policy import KeepDecider, RuleDecider, make_decider
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_gpu_mem, parse_script
 from slurmgpu.slurm.backend import Submitted

@@ -19,8 +19,9 @@ from slurmgpu.learning import train
 from slurmgpu.pipeline.config import load_config, parse_config
 from slurmgpu.pipeline.errors import ConfigError
 from slurmgpu.pipeline.features import script_features
+from slurmgpu.pipeline.gpu_mem import GpuMemAsk, decide_gpu_mem
 from slurmgpu.pipeline.hardware import mig_profile
-from slurmgpu.pipeline.policy import GpuMemAsk, ModelDecider, decide_gpu_mem
+from slurmgpu.pipeline.policy import ModelDecider
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.script import parse_script
 from slurmgpu.slurm.backend import SHARD_ITEM as SHARD

@@ -367,7 +367,7 @@ def test_a_peak_close_to_the_card_is_called_borderline(trained, config) -> None:
 
 
 def test_gpu_mem_with_the_model_shows_the_predicted_peak_next_to_the_ask(trained, config) -> None:
-    from slurmgpu.pipeline.policy import GpuMemAsk, decide_gpu_mem
+    from slurmgpu.pipeline.gpu_mem import GpuMemAsk, decide_gpu_mem
 
     bundle = trained[0]
     text = script_for("resnet", 16, 1000, "a100").replace("--gres=gpu:a100:1", "--gres=gpu:1")

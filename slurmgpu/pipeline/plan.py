@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from slurmgpu.pipeline.errors import InputError
-from slurmgpu.pipeline.policy import Decider, Decision, GpuMemAsk, KeepDecider, PartitionGpus, decide_gpu_mem
+from slurmgpu.pipeline.gpu_mem import GpuMemAsk, PartitionGpus, decide_gpu_mem
+from slurmgpu.pipeline.policy import Decider, Decision, KeepDecider
 from slurmgpu.pipeline.request import COMMAND_LINE, JobRequest, build_request
 from slurmgpu.pipeline.rewrite import RewriteError, Submission, apply
 from slurmgpu.pipeline.script import UNKNOWN_GS, BatchScript, parse_gpu_mem
