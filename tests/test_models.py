@@ -375,7 +375,7 @@ def test_gpu_mem_with_the_model_shows_the_predicted_peak_next_to_the_ask(trained
     decider = ModelDecider(config, bundle, lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann")
     d = decide_gpu_mem(decider, request, GpuMemAsk(24.0, "24G", "command line"))
     assert d.changes[0].gpu_type == "v100" and d.decider == "model"
-    peak = decider.predicted_peak_mib(request, "v100", 1)
+    peak = decider.evidence.peak_mib(request, "v100", 1)
     assert peak is not None
     assert d.reasons == (f"--gpu-mem 24 GiB: v100 (32 GiB) chosen (balanced: the smallest card that holds it); "
                          f"asked for >= 24 GiB per GPU; predicted peak {peak / 1024:.1f} GiB",)

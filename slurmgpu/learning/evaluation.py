@@ -196,7 +196,7 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], asked: tuple[str, 
     script that shows its amount of work (the caller): else one family's runs spread with their
     hidden work, and its medians judge a choice by the same noise the model learned from."""
     types = [t for t in decider.config.gpu_types
-             if t == asked[0] or decider.runs_there(sf, asked[0], t)]
+             if t == asked[0] or decider.evidence.runs_there(sf, asked[0], t)]
     for at in (0, 1):  # the job's own batch where two types ran it, else the family's batches together
         measured = {t: rate[key] for t in types if (key := rate_keys(asked[1], t, sf["log_tokens"])[at]) in rate}
         if len(measured) >= 2:

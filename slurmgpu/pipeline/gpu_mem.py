@@ -165,7 +165,7 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
                f"({config.policy.objective}{': ' + rule if rule else ''}){moved}")
     if not comp.gpus:
         why += f"; the job asked for no GPU: {count} x {choice} added"
-    predicted = decider.predicted_peak_mib(request, choice, count) if isinstance(decider, ModelDecider) else None
+    predicted = decider.evidence.peak_mib(request, choice, count) if isinstance(decider, ModelDecider) else None
     if predicted is not None and usable(predicted, math.inf):
         why += f"; asked for >= {ask.shown} GiB per GPU; predicted peak {predicted / 1024:.1f} GiB"
     if choice == current and target is None:

@@ -14,7 +14,7 @@ torch.distributed.run``, accelerate, deepspeed, mpirun, horovodrun, srun, or a p
   count from a config file): the count the job asked for, and only the GPU type may change.
 
 A script with no launcher keeps its count (unless the family's own runs showed GPUs it left idle:
-the decider's evidence, not the script's, ``ModelDecider._busy``); reading ``$CUDA_VISIBLE_DEVICES``
+the decider's evidence, not the script's, ``FamilyEvidence.busy``); reading ``$CUDA_VISIBLE_DEVICES``
 elsewhere in the script says nothing of how many processes the program starts.
 """
 
