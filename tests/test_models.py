@@ -897,3 +897,26 @@ def test_a_request_that_does_not_fit_moves_even_to_a_card_that_finishes_later(tr
     cfg = config._replace(policy=config.policy._replace(objective=objective))
     d = decide(trained[0], cfg, script_for("llama", 24, 1000, "v100"), free={"a100": 0, "v100": 4, "t4": 4})
     assert not _v100(d).fits and d.changes and d.changes[0].gpu_type == "a100", d.reasons
+
+
+def test_a_request_that_does_not_fit_takes_a_free_card_that_holds_it_with_the_plain_margin(trained, config) -> None:
+    """The card that holds it is busy, more than LATE_FIT times as late as the request: a free larger
+    card that holds it with the plain ``memory_margin``, although its family never ran there, is
+    taken instead, and the reason's figures are the table's."""
+    from slurmgpu.pipeline.memory_bound import UNSEEN_PENALTY
+    from slurmgpu.pipeline.policy import LATE_FIT
+
+    mid = config.gpu_types["a100"]._replace(name="mid", memory_gib=64.0, features=["mid"])
+    gpu = config.partitions["gpu"]._replace(gpu_types=[*config.partitions["gpu"].gpu_types, "mid"])
+    cfg = config._replace(gpu_types={**config.gpu_types, "mid": mid}, partitions={**config.partitions, "gpu": gpu})
+    d = decide(trained[0], cfg, script_for("llama", 24, 1000, "v100"), free={"a100": 0, "mid": 4, "v100": 4})
+    rows = {c.gpu_type: c for c in d.per_type if c.gpus == 1}
+    done = {t: (c.expected_wait_s + c.pred_runtime_s) / 60 for t, c in rows.items()}
+    assert not rows["v100"].fits and rows["a100"].fits and done["a100"] > LATE_FIT * done["v100"], d.reasons
+    plain = 1 + cfg.policy.memory_margin
+    assert rows["mid"].pred_peak_mem_mib * plain <= 64 * 1024 < rows["mid"].pred_peak_mem_mib * plain * UNSEEN_PENALTY
+    assert d.changes and d.changes[0].gpu_type == "mid" and rows["mid"].fits, d.reasons
+    shown = re.search(r"1 x a100, which holds it with the 10% margin, is predicted to finish in (\d+) min, more than "
+                      rf"{LATE_FIT:g}x the (\d+) min as asked: mid \(never run by this family\) holds it with the 10% "
+                      r"margin of a shape it ran, in (\d+) min", d.reasons[-1])
+    assert shown and [int(x) for x in shown.groups()] == [round(done[t]) for t in ("a100", "v100", "mid")], d.reasons

@@ -75,6 +75,13 @@ class Decision(NamedTuple):
 
 
 KEEP = Decision()
+# A move made only because the request is predicted to run out of GPU memory, onto a card that holds it
+# only with the margin doubted for a shape the family never ran (UNSEEN_PENALTY), and predicted to
+# finish more than this many times as late as the request, goes instead to the soonest larger card
+# that holds it with the plain ``memory_margin`` (the scenario, seed 4242 at load 0.6: jobs of a few
+# minutes, predicted at 54 GiB, moved to the one 141 GiB type and waited there for days while the
+# 80 GiB cards were free).
+LATE_FIT = 10.0
 # The rules' reason when they change nothing; not repeated beside a change the model makes (one
 # reason per change).
 FITS_AS_ASKED = "the request fits the partition it asks for"
@@ -444,6 +451,23 @@ class ModelDecider:
                               per_type, hint)
         if freed is None and weak:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%})", per_type, hint)
+        late = ""  # the card that holds it with the doubted margin, where another is taken for being late
+        if not new_family and not baseline.fits and freed is None and _done(best) > LATE_FIT * _done(baseline):
+            types, plain = self.config.gpu_types, 1 + policy.memory_margin
+            nearer = min((c for c in table if c.gpus == best.gpus and c.margin > policy.memory_margin
+                          and types[c.gpu_type].memory_gib > types[baseline.gpu_type].memory_gib
+                          and c.pred_peak_mem_mib * plain <= types[c.gpu_type].memory_gib * 1024
+                          and _done(c) < _done(best) and home(c) is not None
+                          and in_time_limit(self.config, self.bundle, c, baseline, comp.time_limit_s)),
+                         key=_done, default=None)
+            if nearer is not None:
+                late = (f"; {best.gpus} x {best.gpu_type}, which holds it with the {best.margin:.0%} margin, is "
+                        f"predicted to finish in {_done(best) / 60:.0f} min, more than {LATE_FIT:g}x the "
+                        f"{_done(baseline) / 60:.0f} min as asked: {nearer.gpu_type} (never run by this family) "
+                        f"holds it with the {policy.memory_margin:.0%} margin of a shape it ran, in "
+                        f"{_done(nearer) / 60:.0f} min")
+                best = nearer._replace(fits=True, margin=policy.memory_margin)
+                per_type = tuple(best if same_shape(c, best) else c for c in per_type)  # the row as judged
         partition = home(best)
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
@@ -464,7 +488,7 @@ class ModelDecider:
         elif not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type}: "
-                   f"{self.candidates.memory.fit_words(best, sf, req_total)} ({best.margin:.0%} margin){hint}")
+                   f"{self.candidates.memory.fit_words(best, sf, req_total)} ({best.margin:.0%} margin){late}{hint}")
         else:
             why = (f"model ({self.config.policy.objective}): {best.gpus} x {best.gpu_type} {finish}, "
                    f"{self.candidates.memory.fit_words(best, sf, req_total)}"
@@ -481,6 +505,11 @@ class ModelDecider:
         """The rules' reasons that go with a change the model makes: their own changes' reasons."""
         return tuple(r for r in rule.reasons if r != FITS_AS_ASKED)
 
+
+
+def _done(c: Candidate) -> float:
+    """Predicted seconds to result: the wait and the runtime."""
+    return c.expected_wait_s + c.pred_runtime_s
 
 
 def same_shape(a: Candidate | None, b: Candidate) -> bool:
