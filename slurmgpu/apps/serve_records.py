@@ -41,10 +41,11 @@ from slurmgpu.pipeline.modes import ADVISE
 from slurmgpu.pipeline.spool import SOURCES, new_record, record_file, record_mode, script_text, write_files
 
 if TYPE_CHECKING:
-    from slurmgpu.apps.serve import Who
     from slurmgpu.pipeline.request import JobRequest
 
 log = logging.getLogger("slurmgpu.apps.serve")
+# Whom a record is for: serve.Who's name, uid and how it was learnt (a tuple: serve imports this module).
+Who = tuple[str | None, int | None, str]
 # A queued item: ("build", decision, job, who), the writer reading the job's request again, or
 # ("made", record) from a child process, or ("failed", why) for a record a child could not build.
 Item = tuple[Any, ...]
@@ -110,7 +111,7 @@ class DecisionRecords:
             who: Who) -> dict[str, Any]:
         """Queue the decision's record; returns the reply with the decision id and, where the hook
         should put it in the job's AdminComment, the tag (model decisions it applies)."""
-        if who.name is None and who.uid is None:
+        if who[0] is None and who[1] is None:
             return decision  # nobody to attribute it to: not recorded
         out = {**decision, "id": new_decision_id()}
         if out.get("decider") == "model" and out.get("mode") != ADVISE and not out.get("waiver") \
