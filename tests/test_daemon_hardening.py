@@ -365,3 +365,17 @@ def test_the_record_writer_waits_a_moment_to_write_records_together(tmp_path: Pa
         time.sleep(DecisionRecords.LINGER_S / 20)
     assert records.close() and (records.written, records.flushes) == (5, 1)
     assert len(list(tmp_path.glob("sub-*.json"))) == 5
+
+
+def test_a_process_with_a_record_writer_running_still_exits(tmp_path: Path) -> None:
+    """The writer is a child process: the interpreter ends it at exit (a writer that ignored SIGTERM
+    kept a finished test run waiting for ever), and the record queued before is on disk."""
+    import subprocess
+    import sys
+
+    program = ("import sys, time; from slurmgpu.apps.serve_records import DecisionRecords; "
+               "from slurmgpu.pipeline import spool; r = DecisionRecords(sys.argv[1], 'c', dict); "
+               "r.put(('made', spool.new_record(job_id='1'))); time.sleep(DecisionRecords.LINGER_S * 3)")
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", program, str(tmp_path)], check=True, timeout=30)
+    assert time.monotonic() - t0 < 10 and len(list(tmp_path.glob("sub-*.json"))) == 1

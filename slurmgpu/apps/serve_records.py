@@ -186,8 +186,8 @@ class DecisionRecords:
         of the spool's filesystem and one fsync of the directory for the batch (``write_files``),
         not an fsync per record: 950-1,450 records a second built and written on this project's
         shared machine, where an fsync each gave about 210, fewer than the daemon answers under load."""
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # the daemon ends it (close), or its end does
+        for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's, sent to the whole group: the daemon
+            signal.signal(sig, signal.SIG_IGN)  # ends it (close), or its end does; SIGTERM ends it now
         try:
             os.nice(self.NICE)
         except OSError:
