@@ -46,10 +46,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("slurmgpu.apps.serve")
 # Whom a record is for: serve.Who's name, uid and how it was learnt (a tuple: serve imports this module).
 Who = tuple[str | None, int | None, str]
-# A queued item: ("build", decision, job, who), the writer reading the job's request again, or
+# A queued item: ("build", decision, job, who), the writer reading the job's request again (a child
+# process of serve_socket, which builds its records itself, adds the request it read), or
 # ("made", record) from a child process, or ("failed", why) for a record a child could not build.
 Item = tuple[Any, ...]
 WRITTEN, FAILED, FLUSHES = range(3)  # the writer's counters, in memory shared with the daemon
+_FORK = multiprocessing.get_context("fork")  # the writer inherits the config; nothing is imported again
 hexdigest("sha256", b"")  # loads the hash module now, as root: after --run-as the install may be unreadable
 
 
@@ -95,8 +97,7 @@ class DecisionRecords:
 
     @staticmethod
     def _shared() -> tuple[Any, Any]:
-        ctx = multiprocessing.get_context("fork")
-        return ctx.RawArray("q", 3), ctx.RawArray("c", 512)
+        return _FORK.RawArray("q", 3), _FORK.RawArray("c", 512)
 
     @property
     def flushes(self) -> int:
@@ -120,7 +121,7 @@ class DecisionRecords:
             out["tag"] = decision_tag(out, out["id"], main.gpu_type, main.gpus_total)
         item = ("build", out, dict(job), tuple(who))
         if self.sink is not None:
-            self.sink(item)
+            self.sink((*item, request))  # built in this process: the request it read
         else:
             self.put(item)
         return out
@@ -149,9 +150,8 @@ class DecisionRecords:
             self._before = (self.written, self.failed + max(self._left(), 0))  # a dead writer's queue is lost
             self._counts, self._error = self._shared()
             self.queued = 0
-            ctx = multiprocessing.get_context("fork")  # the writer inherits the config; nothing is imported again
-            self._pending = ctx.Queue(self.MAX_QUEUED)
-            self._process = ctx.Process(target=self._run, name="slurmgpu-records", daemon=True)
+            self._pending = _FORK.Queue(self.MAX_QUEUED)
+            self._process = _FORK.Process(target=self._run, name="slurmgpu-records", daemon=True)
             self._process.start()
             return self._pending
 
@@ -212,10 +212,11 @@ class DecisionRecords:
             if batch[-1] is None:
                 return
 
-    def record(self, decision: Mapping[str, Any], job: Mapping[str, Any], who: Sequence[Any]) -> dict[str, Any]:
-        """The spool record of one decision (built in the writer)."""
+    def record(self, decision: Mapping[str, Any], job: Mapping[str, Any], who: Who,
+               request: JobRequest | None = None) -> dict[str, Any]:
+        """The spool record of one decision (``request``: the job's, where it is at hand)."""
         name, uid = who[0], who[1]
-        request = self.request_of(job)
+        request = request or self.request_of(job)
         script = request.script
         data = script.data if script is not None else None
         features = None
