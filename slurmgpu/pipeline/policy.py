@@ -359,7 +359,7 @@ class ModelDecider:
         if not asked:
             return self._keep(rule, "model: the requested type/count is outside the configured partitions",
                               per_type)
-        baseline = min(asked, key=lambda c: c.expected_wait_s + c.pred_runtime_s)
+        baseline = min(asked, key=_done)
         effective = target or comp.partition or self.config.default_partition
         # Where each shape would run: the job's own partition when it has the type, else another
         # offered one, and only one whose Slurm rules admit the job (a move must not get it refused)
@@ -422,9 +422,9 @@ class ModelDecider:
         weak = best is None or (gain < policy.min_gain and sure(best) is None)  # a gain too small to move for
         freed = None  # GPUs the family's runs left idle, given back where the job finishes no later
         if busy and baseline.fits and weak:
-            done = baseline.expected_wait_s + baseline.pred_runtime_s
+            done = _done(baseline)
             freed = min((c for c in table if c.gpu_type == baseline.gpu_type and busy[0] <= c.gpus < req_total
-                         and c.fits and c.expected_wait_s + c.pred_runtime_s <= done and home(c) is not None),
+                         and c.fits and _done(c) <= done and home(c) is not None),
                         key=lambda c: c.gpus,
                         default=None)
             best = freed or best
@@ -434,9 +434,9 @@ class ModelDecider:
             # The move the prediction's error vetoed is why the request stands: say so, not "best".
             upper = risky.expected_wait_s + risky.pred_runtime_s * risky.runtime_margin
             return self._keep(rule, f"model: {risky.gpus} x {risky.gpu_type}, slower than as asked, is predicted to "
-                              f"finish in {(risky.expected_wait_s + risky.pred_runtime_s) / 60:.0f} min but in "
+                              f"finish in {_done(risky) / 60:.0f} min but in "
                               f"{upper / 60:.0f} min at its upper runtime, vs "
-                              f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked: "
+                              f"{_done(baseline) / 60:.0f} min as asked: "
                               "a gain within the prediction's error", per_type, hint)
         if risky is not None and freed is None and rank(risky) < rank(baseline) and (
                 best is None or same_shape(best, baseline)):
@@ -472,8 +472,7 @@ class ModelDecider:
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
                                  partition=partition if (target or partition != effective) else None)
-        times = (f"predicted to finish in {(best.expected_wait_s + best.pred_runtime_s) / 60:.0f} min vs "
-                 f"{(baseline.expected_wait_s + baseline.pred_runtime_s) / 60:.0f} min as asked")
+        times = f"predicted to finish in {_done(best) / 60:.0f} min vs {_done(baseline) / 60:.0f} min as asked"
         finish = f"{times} ({gain:.0%} {GAIN_WORDS[policy.objective]})"
         if gain < policy.min_gain and (p := sure(best)) is not None:
             finish += (f", {p:.0%} likely sooner by this family's runs on both (a gain under {policy.min_gain:.0%} "
@@ -504,7 +503,6 @@ class ModelDecider:
     def _rule_reasons(rule: Decision) -> tuple[str, ...]:
         """The rules' reasons that go with a change the model makes: their own changes' reasons."""
         return tuple(r for r in rule.reasons if r != FITS_AS_ASKED)
-
 
 
 def _done(c: Candidate) -> float:
