@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,36 @@ def test_a_burst_of_records_is_written_whole_none_lost(tmp_path: Path, monkeypat
         full.put(("made", spool.new_record(job_id=str(n))))
     assert (full.queued, full.dropped) == (3, 2)
     assert not full.close(0.2) and full.written == 0
+
+
+def test_the_writer_reads_a_job_sent_again_once_and_each_record_stays_its_own(tmp_path: Path) -> None:
+    """A burst of one script (a loop of sbatch) reaches the writer as the same job many times: its
+    request is read once, and each record still has its own decision; another job (its name
+    alone differs) is read for itself, and the jobs kept are bounded."""
+    reads: list[str] = []
+    config = load_config(SAMPLE)
+
+    def request_of(job: Mapping[str, Any]) -> Any:
+        reads.append(job["name"])
+        return serve.job_request(job, config.gpu_features())
+
+    records = DecisionRecords(str(tmp_path), "c", request_of)
+    job_a, job_b = hook_job(), {**hook_job(), "name": "other.sh"}
+    items = [("build", {"decider": "rules", "id": f"d{n}", "apply": {}}, job_a if n < 5 else job_b,
+              ("alice", 1234, "peer")) for n in range(6)]
+    records.write(items)
+    assert reads == [job_a["name"], "other.sh"] and records.written == 6
+    written = {r["decision"]["id"]: r for r in (json.loads(p.read_bytes()) for p in tmp_path.glob("sub-*.json"))}
+    assert sorted(written) == [f"d{n}" for n in range(6)]
+    assert len({r["record_id"] for r in written.values()}) == 6
+    assert written["d0"]["original_request"] == written["d4"]["original_request"] == \
+        request_of(job_a).to_json()
+    assert written["d5"]["features"]["script_name"] == "other.sh" and written["d0"]["script_sha256"]
+    reads.clear()
+    bounded = DecisionRecords(str(tmp_path), "c", request_of)
+    bounded.READ_ENTRIES = 1  # full: the jobs kept are dropped, not grown
+    bounded.write([items[0], items[-1], items[0]])
+    assert reads == [job_a["name"], "other.sh", job_a["name"]] and bounded.written == 3
 
 
 def test_a_batch_falls_back_to_an_fsync_per_file_and_a_failed_file_is_its_own(tmp_path: Path,
