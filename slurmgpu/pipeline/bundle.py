@@ -206,7 +206,8 @@ class StackedTrees:
         x = sys.modules["numpy"].asarray(rows, dtype=float)
         above = (x.take(self.feats, axis=1) > self.borders).reshape(len(rows), *self.shape)
         values = self.leaves.take(above.dot(self.bits).T + self.offsets)  # trees x rows
-        return [list(scale * values[start:end].sum(axis=0) + bias) for scale, bias, start, end in self.parts]
+        # cumsum adds in order whatever the shape: sum over one row's contiguous column adds pairwise
+        return [list(scale * values[start:end].cumsum(axis=0)[-1] + bias) for scale, bias, start, end in self.parts]
 
 
 def analytic_base_mib(f: Mapping[str, float]) -> float:
@@ -511,7 +512,7 @@ class Bundle:
         xs = [[f[name] for name in NUMERIC] for f in rows]
         bases = [memory_base_mib(f, script, self.history) for f in rows]
         ensembles = [self.memory, self.runtime] + ([self.runtime_upper] if self.runtime_upper is not None else [])
-        if sys.modules.get("numpy") is None or len(rows) < 2:
+        if sys.modules.get("numpy") is None:  # gsbatch: numpy's import costs more than a loop
             predicted = [e.predict_many(xs) for e in ensembles]
         else:
             if self._stacked is None:
