@@ -44,6 +44,13 @@ from slurmgpu.learning import train  # noqa: E402
 from slurmgpu.pipeline.config import load_config  # noqa: E402
 
 
+# Each run's directory, removed when every run is done: deleting a run's ~10,000 records straight
+# away made the next run's record files cost the writer up to 1 ms of CPU each to create, where
+# 0.05 ms is usual (this machine's filesystem discards freed blocks as it commits them), a cost a
+# site's daemon does not pay every few seconds.
+LEFT: list[str] = []
+
+
 def jobs() -> list[dict]:
     """Distinct decide requests: every family, batch size and a few GPU asks and partitions. The
     clients cycle through them, so each line comes back within a second: the daemon reuses its
@@ -117,7 +124,7 @@ def main(decider: str, model: Path, rate: float, seconds: float, clients: int,
         handled = [float(x) for line in lines for x in re.findall(r"latency_ms=([0-9.]+)", line)][len(pool):]
         reused = sum(1 for line in lines if " reused=" in line and "latency_ms=" in line)
         records = sum(1 for name in os.listdir(spool) if name.startswith("sub-")) - len(pool)
-        shutil.rmtree(tmp, ignore_errors=True)
+        LEFT.append(tmp)  # removed after the last run: see LEFT
     latencies = sorted(x * 1e3 for lat, _ in results for x in lat)
     q, inside = statistics.quantiles(latencies, n=100), statistics.quantiles(handled, n=100)
     return {"decider": decider, "workers": workers, "clients": clients, "target_rps": rate, "seconds": seconds,
@@ -224,7 +231,11 @@ elif __name__ == "__main__":
         config = load_config(ROOT / "contrib" / "slurmgpu.toml")
         train.fit(history(2000), config._replace(policy=config.policy._replace(decider="model")),
                   iterations=400)[0].save(str(model))
-        results = [main(decider, model, rate, seconds, clients, workers) for decider in deciders for rate in rates]
+        try:
+            results = [main(decider, model, rate, seconds, clients, workers) for decider in deciders for rate in rates]
+        finally:
+            for tmp in LEFT:
+                shutil.rmtree(tmp, ignore_errors=True)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "serve.json").write_text(json.dumps(results, indent=2))
