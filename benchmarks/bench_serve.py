@@ -43,7 +43,6 @@ from slurmgpu.apps import serve  # noqa: E402
 from slurmgpu.learning import train  # noqa: E402
 from slurmgpu.pipeline.config import load_config  # noqa: E402
 
-
 # Each run's directory, removed when every run is done: deleting a run's ~10,000 records straight
 # away made the next run's record files cost the writer up to 1 ms of CPU each to create, where
 # 0.05 ms is usual (this machine's filesystem discards freed blocks as it commits them), a cost a

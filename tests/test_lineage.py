@@ -383,6 +383,30 @@ def test_a_burst_of_one_request_is_decided_once_and_each_job_keeps_its_own_recor
     assert service.reused == 1
 
 
+def test_a_line_decided_anew_after_a_refresh_is_not_read_again(model_file: Path, spool_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refresh of the cluster view makes the line's decision anew (the idle GPUs changed it), from
+    the request read the first time; another line is read for itself."""
+    reads: list[Mapping[str, Any]] = []
+    read = serve.job_request
+    monkeypatch.setattr(serve, "job_request", lambda job, features: reads.append(job) or read(job, features))
+    service = serve.Service(with_model(load_config(SAMPLE)), str(model_file), free_gpus=lambda: BUSY_A100,
+                            record_spool=str(spool_dir))
+    service.free = dict(BUSY_A100)
+    slurmctld = serve.Peer(1, 0, 0, trusted=True)
+    line = json.dumps({"op": "decide", "job": hook_job()}).encode()
+    busy = service.handle(line, slurmctld)["decision"]
+    service.free = {**BUSY_A100, "a100": 4}  # a refresh: the asked cards are idle now
+    idle = service.handle(line, slurmctld)["decision"]
+    assert service.reused == 0 and len(reads) == 1 and busy["apply"] != idle["apply"]
+    fresh = serve.Service(with_model(load_config(SAMPLE)), str(model_file), free_gpus=lambda: BUSY_A100)
+    fresh.free = dict(service.free)
+    anew = fresh.handle(line, slurmctld)["decision"]
+    assert {k: v for k, v in idle.items() if k not in ("id", "tag")} == anew
+    service.handle(json.dumps({"op": "decide", "job": hook_job(name="other.sh")}).encode(), slurmctld)
+    assert len(reads) == 3  # the fresh daemon's, and the other line's
+
+
 def test_a_tag_on_two_jobs_links_neither(tmp_path: Path, spool_dir: Path) -> None:
     url = f"sqlite:///{tmp_path / 'h.db'}"
     db.upgrade(url)

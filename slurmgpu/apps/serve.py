@@ -475,7 +475,9 @@ class Service:
             self.reused += 1
             _, _, out, request = hit  # the same line: the same job
             return self.recorded(dict(out), job, request, who, record), request, True
-        out, request = self.unrecorded(job, who)
+        # the line's request, read again only for a new line: a refresh of the cluster view makes every
+        # decision anew, and most of a burst's after it are of lines read before it
+        out, request = self.unrecorded(job, who, hit[3] if hit is not None else None)
         if self.recent_bytes + len(line) > REUSE_BYTES or len(self.recent) >= REUSE_ENTRIES:
             self.recent.clear()
             self.recent_bytes = 0
@@ -492,9 +494,11 @@ class Service:
             return self.records.add(out, job, request, who)
         return out
 
-    def unrecorded(self, job: Mapping[str, Any], who: Who) -> tuple[dict[str, Any], JobRequest]:
-        """The decision for a job, under the mode and waivers, before any record is made of it."""
-        request = job_request(job, self.features)
+    def unrecorded(self, job: Mapping[str, Any], who: Who,
+                   request: JobRequest | None = None) -> tuple[dict[str, Any], JobRequest]:
+        """The decision for a job, under the mode and waivers, before any record is made of it
+        (``request``: the job's, where it was read before)."""
+        request = request or job_request(job, self.features)
         script = request.script
         version = None
         if request.is_hetjob:
