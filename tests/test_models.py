@@ -899,6 +899,29 @@ def test_a_request_that_does_not_fit_moves_even_to_a_card_that_finishes_later(tr
     assert not _v100(d).fits and d.changes and d.changes[0].gpu_type == "a100", d.reasons
 
 
+def test_a_request_only_the_margin_keeps_off_its_card_stays_rather_than_wait_far_longer(trained, config) -> None:
+    """The estimate fits the card asked; only the bound's margin does not, and the card that holds the
+    bound would finish more than AS_ASKED_LATE times as late: the request stands, saying so with the
+    table's figures. With that card free the job moves to it."""
+    from slurmgpu.pipeline.policy import AS_ASKED_LATE
+
+    text = script_for("llama", 14, 1000, "v100")
+    d = decide(trained[0], config, text, free={"a100": 0, "v100": 4, "t4": 4})
+    rows = {c.gpu_type: c for c in d.per_type if c.gpus == 1}
+    done = {t: (c.expected_wait_s + c.pred_runtime_s) / 60 for t, c in rows.items()}
+    v100 = rows["v100"]
+    assert not v100.fits and done["a100"] > AS_ASKED_LATE * done["v100"]
+    assert not d.changes, d.reasons
+    shown = re.search(r"1 x v100 as asked holds the estimated peak of ([\d.]+) GiB per GPU but not its bound of "
+                      r"([\d.]+) GiB \(with the 10% margin\); 1 x a100, which holds the bound, is predicted to finish "
+                      rf"in (\d+) min, more than {AS_ASKED_LATE:g}x the (\d+) min as asked", d.reasons[-1])
+    assert shown and float(shown[1]) <= 32 < float(shown[2]) * 1.1, d.reasons
+    assert float(shown[2]) == round(v100.pred_peak_mem_mib / 1024, 1)
+    assert [int(shown[3]), int(shown[4])] == [round(done["a100"]), round(done["v100"])]
+    moved = decide(trained[0], config, text, free={"a100": 4, "v100": 4, "t4": 4})
+    assert moved.changes and moved.changes[0].gpu_type == "a100", moved.reasons
+
+
 def test_a_request_that_does_not_fit_takes_a_free_card_that_holds_it_with_the_plain_margin(trained, config) -> None:
     """The card that holds it is busy, more than LATE_FIT times as late as the request: a free larger
     card that holds it with the plain ``memory_margin``, although its family never ran there, is

@@ -529,6 +529,16 @@ class Bundle:
         x = [f[name] for name in NUMERIC]
         return self._peak(x, memory_base_mib(f, script, self.history), self.memory.predict(x), script)
 
+    def peak_estimate_mib(self, f: Mapping[str, float], script: Mapping[str, Any]) -> float:
+        """The peak before the margin its stratum was calibrated to (``memory_ratio``): the estimate
+        itself, which ``peak_mib`` bounds from above (a stratum's margin covers its worst misses)."""
+        x = [f[name] for name in NUMERIC]
+        stratum = memory_stratum(x, self.history.family(script["family"]))
+        calibrated = f"{stratum}@{script.get('arch')}" in self.memory_offsets or (
+            stratum in self.memory_offsets and stratum not in self.memory_tree_strata)
+        trees = 0.0 if calibrated else self.memory.predict(x)
+        return memory_base_mib(f, script, self.history) * math.exp(trees)
+
     def _peak(self, x: Sequence[float], base: float, trees: float, script: Mapping[str, Any]) -> float:
         return base * math.exp(self.memory_ratio(x, trees, script.get("arch"), self.history.family(script["family"])))
 

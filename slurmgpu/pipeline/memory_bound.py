@@ -74,6 +74,15 @@ class MemoryBound:
         return (f"fits: its family's runs held on {held:g} GiB cards at this batch or larger "
                 f"(predicted peak {c.pred_peak_mem_mib / 1024:.1f} GiB per GPU)")
 
+    def estimate_mib(self, sf: Mapping[str, Any], req: Mapping[str, Any], gt: GpuType, gpus: int) -> float:
+        """The job's peak per GPU on GPUS of GT before the margin its stratum was calibrated to
+        (``Bundle.peak_estimate_mib``): what the bound the fit test reads (with ``margin``) stands on."""
+        from slurmgpu.pipeline.features import job_features
+
+        f = job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus,
+                         self.bundle.history)
+        return float(self.bundle.peak_estimate_mib(f, sf))
+
     def fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Row,
                  table: Sequence[Row], seen: set[str], offered: Sequence[Partition]) -> str:
         """For a request predicted not to fit: the largest batch size that fits the requested card
