@@ -215,6 +215,10 @@ class Scripted:
     def peak_mib(self, f: Any, script: Any) -> float:
         return self.predict(f, script).peak_mem_mib
 
+    def peak_estimate_mib(self, f: Any, script: Any) -> float:
+        """The drawn peak: no margin under it (the rule that reads it may still be reached)."""
+        return self.peak_mib(f, script)
+
 
 def assert_shown_finite(decision: Decision) -> None:
     for line in (*decision.reasons, decision.refusal or "", decision.unrunnable or ""):

@@ -913,8 +913,9 @@ def test_a_request_only_the_margin_keeps_off_its_card_stays_rather_than_wait_far
     assert not v100.fits and done["a100"] > AS_ASKED_LATE * done["v100"]
     assert not d.changes, d.reasons
     shown = re.search(r"1 x v100 as asked holds the estimated peak of ([\d.]+) GiB per GPU but not its bound of "
-                      r"([\d.]+) GiB \(with the 10% margin\); 1 x a100, which holds the bound, is predicted to finish "
-                      rf"in (\d+) min, more than {AS_ASKED_LATE:g}x the (\d+) min as asked", d.reasons[-1])
+                      r"([\d.]+) GiB \(with the 10% margin\); 1 x a100, the soonest that holds the bound, is "
+                      rf"predicted to finish in (\d+) min, more than {AS_ASKED_LATE:g}x the (\d+) min as asked",
+                      d.reasons[-1])
     assert shown and float(shown[1]) <= 32 < float(shown[2]) * 1.1, d.reasons
     assert float(shown[2]) == round(v100.pred_peak_mem_mib / 1024, 1)
     assert [int(shown[3]), int(shown[4])] == [round(done["a100"]), round(done["v100"])]

@@ -230,7 +230,7 @@ class DecisionRecords:
         """``job_fields`` of a job the writer reads itself, kept for the jobs sent again: a burst of
         one script (a loop of sbatch) sends the same job many times, and reading its request again
         was most of a record's cost (0.37 of 0.6 ms). Bounded as the daemon's reuse is (READ_ENTRIES
-        jobs, READ_BYTES of them)."""
+        jobs, READ_BYTES of them with their scripts kept again)."""
         try:
             key = json.dumps(job, sort_keys=True, separators=(",", ":"))
         except (TypeError, ValueError):  # not as a request line carries it: read, not kept
@@ -238,11 +238,12 @@ class DecisionRecords:
         fields = self._read.get(key)
         if fields is None:
             fields = self.job_fields(job, self.request_of(job))
-            if self._read_bytes + len(key) > self.READ_BYTES or len(self._read) >= self.READ_ENTRIES:
+            size = len(key) + len(fields["script_text"] or "")  # the job, and its script kept again
+            if self._read_bytes + size > self.READ_BYTES or len(self._read) >= self.READ_ENTRIES:
                 self._read.clear()
                 self._read_bytes = 0
             self._read[key] = fields
-            self._read_bytes += len(key)
+            self._read_bytes += size
         return fields
 
     @staticmethod

@@ -530,13 +530,11 @@ class Bundle:
         return self._peak(x, memory_base_mib(f, script, self.history), self.memory.predict(x), script)
 
     def peak_estimate_mib(self, f: Mapping[str, float], script: Mapping[str, Any]) -> float:
-        """The peak before the margin its stratum was calibrated to (``memory_ratio``): the estimate
+        """The peak before the margin its stratum was calibrated to (``memory_parts``): the estimate
         itself, which ``peak_mib`` bounds from above (a stratum's margin covers its worst misses)."""
         x = [f[name] for name in NUMERIC]
-        stratum = memory_stratum(x, self.history.family(script["family"]))
-        calibrated = f"{stratum}@{script.get('arch')}" in self.memory_offsets or (
-            stratum in self.memory_offsets and stratum not in self.memory_tree_strata)
-        trees = 0.0 if calibrated else self.memory.predict(x)
+        trees, _ = self.memory_parts(x, self.memory.predict(x), script.get("arch"),
+                                     self.history.family(script["family"]))
         return memory_base_mib(f, script, self.history) * math.exp(trees)
 
     def _peak(self, x: Sequence[float], base: float, trees: float, script: Mapping[str, Any]) -> float:
@@ -549,11 +547,18 @@ class Bundle:
         (its architecture's own, where training measured one). A tight family's job takes the smaller
         of its stratum's ratio and that of its family's jobs at large (``fam`` None), so that a batch
         past the tight range never needs less (the trees are monotone, the margins constant)."""
+        used, margin = self.memory_parts(x, trees, arch, fam)
+        return used + margin
+
+    def memory_parts(self, x: Sequence[float], trees: float, arch: str | None = None,
+                     fam: Mapping[str, float] | None = None) -> tuple[float, float]:
+        """``memory_ratio`` in its two parts: the trees' ratio as used (0 where calibration chose
+        none) and the calibrated margin added to it."""
         stratum = memory_stratum(x, fam)
         tight = stratum.endswith(":tight")
         if f"{stratum}@{arch}" in self.memory_offsets:
-            return self.memory_offsets[f"{stratum}@{arch}"]
+            return 0.0, self.memory_offsets[f"{stratum}@{arch}"]
         if stratum not in self.memory_offsets:
-            return self.memory_ratio(x, trees, arch) if tight else trees + self.memory_default_offset
-        ratio = (trees if stratum in self.memory_tree_strata else 0.0) + self.memory_offsets[stratum]
-        return min(ratio, self.memory_ratio(x, trees, arch)) if tight else ratio
+            return self.memory_parts(x, trees, arch) if tight else (trees, self.memory_default_offset)
+        parts = (trees if stratum in self.memory_tree_strata else 0.0, self.memory_offsets[stratum])
+        return min(parts, self.memory_parts(x, trees, arch), key=sum) if tight else parts

@@ -474,16 +474,19 @@ class ModelDecider:
                         f"{_done(nearer) / 60:.0f} min")
                 best = nearer._replace(fits=True, margin=policy.memory_margin)
                 per_type = tuple(best if same_shape(c, best) else c for c in per_type)  # the row as judged
-            elif (estimate := self.candidates.memory.estimate_mib(sf, req, types[baseline.gpu_type], baseline.gpus)) \
+            elif _done(soonest := min(in_time, key=_done, default=best)) > AS_ASKED_LATE * _done(baseline) and \
+                    (estimate := self.candidates.memory.estimate_mib(sf, req, types[baseline.gpu_type],
+                                                                     baseline.gpus)) \
                     <= types[baseline.gpu_type].memory_gib * 1024:
-                # Only the bound's margin keeps the request off its card, and the cards that hold the bound
-                # are far later: the user's own choice stands (an out-of-memory run ends in minutes).
+                # Only the bound's margin keeps the request off its card, and every card that holds the bound
+                # is far later: the user's own choice stands (an out-of-memory run ends in minutes).
                 return self._keep(rule, f"model: {baseline.gpus} x {baseline.gpu_type} as asked holds the estimated "
                                   f"peak of {estimate / 1024:.1f} GiB per GPU but not its bound of "
                                   f"{baseline.pred_peak_mem_mib / 1024:.1f} GiB (with the "
-                                  f"{baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type}, which holds "
-                                  f"the bound, is predicted to finish in {_done(best) / 60:.0f} min, more than "
-                                  f"{AS_ASKED_LATE:g}x the {_done(baseline) / 60:.0f} min as asked", per_type, hint)
+                                  f"{baseline.margin:.0%} margin); {soonest.gpus} x {soonest.gpu_type}, the soonest "
+                                  f"that holds the bound, is predicted to finish in {_done(soonest) / 60:.0f} min, "
+                                  f"more than {AS_ASKED_LATE:g}x the {_done(baseline) / 60:.0f} min as asked",
+                                  per_type, hint)
         partition = home(best)
         change = ComponentChange(0, gpu_type=best.gpu_type if best.gpu_type != req_type else None,
                                  gpus_total=best.gpus if best.gpus != req_total else None,
