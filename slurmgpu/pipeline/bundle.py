@@ -533,12 +533,13 @@ class Bundle:
         """The peak before the margin its stratum was calibrated to (``memory_parts``): the estimate
         itself, which ``peak_mib`` bounds from above (a stratum's margin covers its worst misses)."""
         x = [f[name] for name in NUMERIC]
-        trees, _ = self.memory_parts(x, self.memory.predict(x), script.get("arch"),
-                                     self.history.family(script["family"]))
-        return memory_base_mib(f, script, self.history) * math.exp(trees)
+        return self._peak(x, memory_base_mib(f, script, self.history), self.memory.predict(x), script, margin=False)
 
-    def _peak(self, x: Sequence[float], base: float, trees: float, script: Mapping[str, Any]) -> float:
-        return base * math.exp(self.memory_ratio(x, trees, script.get("arch"), self.history.family(script["family"])))
+    def _peak(self, x: Sequence[float], base: float, trees: float, script: Mapping[str, Any],
+              margin: bool = True) -> float:
+        """The bound (``margin``: with the stratum's calibrated margin), else the estimate under it."""
+        used, added = self.memory_parts(x, trees, script.get("arch"), self.history.family(script["family"]))
+        return base * math.exp(used + added if margin else used)
 
     def memory_ratio(self, x: Sequence[float], trees: float, arch: str | None = None,
                      fam: Mapping[str, float] | None = None) -> float:
