@@ -31,7 +31,7 @@ import pytest
 from test_slurm_gsbatch import job_info
 
 from slurmgpu.apps import gsbatch
-from slurmgpu.pipeline.bundle import Bundle, ModelFileError
+from slurmgpu.pipeline.bundle import BUNDLE_VERSION, Bundle, ModelFileError
 from slurmgpu.pipeline.config import load_config
 from slurmgpu.pipeline.errors import ConfigError
 from slurmgpu.pipeline.features import NUMERIC
@@ -64,8 +64,9 @@ TREE = {"trees": [{"splits": [[2, 1.5]], "leaves": [0.0, 0.1]}], "scale": 1.0, "
 
 def bundle_data() -> dict[str, Any]:
     """A small valid model bundle (what `slurmgpu train` writes, with one tree per model)."""
-    return {"version": 1, "features": list(NUMERIC), "quantile": 0.9, "memory": json.loads(json.dumps(TREE)),
-            "runtime": {**json.loads(json.dumps(TREE)), "bias": 7.0}, "history": {"families": {}}}
+    return {"version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": 0.9,
+            "memory": json.loads(json.dumps(TREE)), "runtime": {**json.loads(json.dumps(TREE)), "bias": 7.0},
+            "history": {"families": {}}}
 
 
 def _with(change: Callable[[dict[str, Any]], None]) -> bytes:
@@ -92,7 +93,7 @@ MODEL_FAULTS: dict[str, bytes] = {
     "negative-feature": _with(lambda d: d["runtime"]["trees"][0].update(splits=[[-1, 1.5]])),
     "leaf-count": _with(lambda d: d["memory"]["trees"][0].update(leaves=[0.0, 0.1, 0.2])),
     "trees-not-list": _with(lambda d: d["memory"].update(trees={"0": 1})),
-    "version": _with(lambda d: d.update(version=2)),
+    "version": _with(lambda d: d.update(version=BUNDLE_VERSION + 1)),
     "stale-features": _with(lambda d: d.update(features=list(NUMERIC)[:-1])),
     "quantile-range": _with(lambda d: d.update(quantile=1.5)),
     "family-not-table": _with(lambda d: d["history"].update(families={"f": 3})),

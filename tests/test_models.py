@@ -863,6 +863,36 @@ def test_a_timed_out_run_counts_in_its_familys_speed_only_where_the_work_is_hidd
     assert not train.rated({**timed_out, "state": "FAILED"})
 
 
+def test_the_time_limit_tells_the_runtime_model_the_work_a_script_hides(config) -> None:
+    """Work hidden from the script (no steps argument; 100x spread), users padding an estimate of
+    their runtime to their limit (1.5-3x, as in the scenario): the runtime model reads the limit,
+    so a job given half an hour is predicted to take minutes and keep within it on the card it
+    asked for, one given two days hours; the memory model never reads it."""
+    rng = random.Random(3)
+    t0, rows = datetime(2026, 10, 1), []
+    for i in range(600):
+        gtype = rng.choice(("a100", "v100"))
+        elapsed = int(rng.lognormvariate(math.log(3600), 1.2) / SPEED[gtype]) + 60
+        limit = 60 * math.ceil(elapsed * rng.uniform(1.5, 3.0) / 60)
+        text = (f"#!/bin/bash\n#SBATCH --gres=gpu:{gtype}:1\n#SBATCH --time={limit // 60}\n"
+                "python train.py --arch resnet50 --batch-size 32 --image-size 224 --fp16\n")
+        rows.append({"job_id": str(5000 + i), "user": "ann", "submit": t0 + timedelta(hours=i), "state": "COMPLETED",
+                     "gpu_type": gtype, "gpus": 1, "elapsed": elapsed, "peak": 9000 * rng.uniform(0.97, 1.03),
+                     "script": script_features(text), "text": text,
+                     "request": {"gpus_total": 1, "gpu_type": gtype, "time_limit_s": limit}})
+    bundle, _ = train.fit(rows, config, iterations=200)
+    sf = rows[0]["script"]
+
+    def predicted(limit_s: int):
+        f = job_features(sf, {"gpus_total": 1, "gpu_type": "a100", "time_limit_s": limit_s},
+                         {"memory_gib": 80.0, "relative_speed": 1.0}, 1, bundle.history)
+        return bundle.predict(f, sf)
+
+    short, long = predicted(1800), predicted(2 * 86400)
+    assert short.runtime_upper_s <= 1800 < 3600 * 4 <= long.runtime_s, (short, long)
+    assert short.peak_mem_mib == long.peak_mem_mib
+
+
 @pytest.mark.parametrize(("asked", "faster"), [("v100", "a100"), ("a100", "v100")])
 def test_a_small_measured_gain_moves_only_with_confidence_and_onto_no_smaller_card(trained, config, asked: str,
                                                                                    faster: str) -> None:

@@ -36,7 +36,7 @@ from slurmgpu.pipeline.features import (
 )
 from slurmgpu.pipeline.files import read_regular
 
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
 MIB = 1024.0
 MAX_BUNDLE_BYTES = 256 << 20  # a trained bundle is about 1 MiB; a file past this is not read
 
@@ -457,8 +457,8 @@ class Bundle:
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
-        # The 95th-percentile run time (quantile trees, log): the time-limit test's margin per job.
-        # Older bundles have none: the single runtime_spread margin stands.
+        # The 95th-percentile run time over the median (quantile trees, log): the time-limit test's
+        # margin per job. A bundle without it: the single runtime_spread margin stands.
         self.runtime_upper = TreeEnsemble(data["runtime_upper"], "runtime_upper") if "runtime_upper" in data else None
         # "telemetry": a memory model of measured peaks; "outcomes": none measured, the decider moves
         # a job only to cards its family's outcomes show it holds on (HistoryStats.held_bound_gib).
@@ -520,7 +520,7 @@ class Bundle:
             predicted = self._stacked.predict_many(xs)
         memory, runtime, *upper = predicted
         uppers = upper[0] if upper else [-math.inf] * len(xs)
-        return [Prediction(self._peak(x, base, m, script), math.exp(r), math.exp(min(u, 700.0)))
+        return [Prediction(self._peak(x, base, m, script), math.exp(r), math.exp(min(r + u, 700.0)))
                 for x, base, m, r, u in zip(xs, bases, memory, runtime, uppers, strict=True)]
 
     def peak_mib(self, f: Mapping[str, float], script: Mapping[str, Any]) -> float:

@@ -71,7 +71,8 @@ SCRIPT_NUMERIC = ("params_b", "log_tokens", "batch_size", "seq_len", "precision_
                   "int8", "nproc", "log_steps")
 NUMERIC = ("req_gpus", "req_gpu_mem_gib", "gpus", "gpu_mem_gib", "gpu_speed", "params_b", "log_tokens",
            "batch_size", "seq_len", "precision_bits", "lora", "ckpt", "zero", "int8", "nproc", "log_steps",
-           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate", "base_kind")
+           "fam_n", "fam_log_peak_max", "fam_log_peak_mean", "fam_log_tokens_at_max", "fam_oom_rate", "base_kind",
+           "log_limit")
 # No per-user features: the model bundle is readable by every user, so it carries no per-user
 # statistics (a user's job count or over-request ratio is that user's business alone).
 
@@ -479,7 +480,17 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
         "base_kind": base_kind(fam, history.siblings(script_feats), script_feats),
+        "log_limit": log_limit(request.get("time_limit_s")),
     }
+
+
+def log_limit(limit_s: Any) -> float:
+    """The log of the time limit written (seconds), 0 for none. Where work is hidden from the
+    script, the limit is its trace: many users pad an estimate of their runtime (the scenario's
+    users who do not write one fixed limit), so the runtime model reads it as the steps."""
+    if isinstance(limit_s, bool) or not isinstance(limit_s, (int, float)):
+        return 0.0
+    return log_size(float(limit_s))
 
 
 def vector(features: Mapping[str, float]) -> list[float]:
