@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurmgpu.apps.site import site_decider
-from slurmgpu.learning import train
+from slurmgpu.learning import evaluation, train
 from slurmgpu.pipeline.bundle import Bundle, TreeEnsemble
 from slurmgpu.pipeline.candidates import Candidate
 from slurmgpu.pipeline.config import Config, load_config
@@ -891,6 +891,21 @@ def test_the_time_limit_tells_the_runtime_model_the_work_a_script_hides(config) 
     short, long = predicted(1800), predicted(2 * 86400)
     assert short.runtime_upper_s <= 1800 < 3600 * 4 <= long.runtime_s, (short, long)
     assert short.peak_mem_mib == long.peak_mem_mib
+
+
+def test_training_reads_the_limit_written_not_sacct_s(config) -> None:
+    """sacct shows a partition's default where a script wrote no limit; gsbatch sees none there. So
+    training takes a recorded request's limit, else the one the script writes, never sacct's."""
+    text = "#!/bin/bash\n#SBATCH --gres=gpu:a100:1\n{}python train.py --arch resnet50\n"
+    read: dict = {}
+    row = {"job_id": "1", "request": {}, "time_limit": 86400, "text": text.format("#SBATCH -t 2:00:00\n")}
+    assert train.written_limit(row, config, read) == 7200
+    assert train.written_limit({**row, "text": text.format("")}, config, read) is None
+    assert train.written_limit({**row, "text": None}, config, read) is None
+    assert train.written_limit({**row, "request": {"gpus_total": 1, "time_limit_s": 600}}, config, read) == 600
+    refused = {**row, "text": "#!/bin/bash\n#SBATCH --time=soon\n", "gpu_type": "a100", "gpus": 1}
+    assert train.written_limit(refused, config, read) is None
+    assert evaluation._request(refused, config) is None  # nor a request to replay, not a traceback
 
 
 @pytest.mark.parametrize(("asked", "faster"), [("v100", "a100"), ("a100", "v100")])

@@ -24,6 +24,7 @@ from slurmgpu.learning.censored import INF, memory_interval
 from slurmgpu.learning.train import gpu_oom
 from slurmgpu.pipeline.bundle import Bundle
 from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.features import log_rate, rate_keys
 from slurmgpu.pipeline.policy import ModelDecider
 from slurmgpu.pipeline.request import JobRequest, build_request
@@ -34,7 +35,9 @@ WITHIN = 0.95  # a type "within 5%" of the best measured throughput
 
 def _request(row: Mapping[str, Any], config: Config) -> JobRequest | None:
     """The job as its user asked, from its script; the GPUs it ran on where the script does not say
-    (an imported history keeps them in columns), its partition where the script names none."""
+    (an imported history keeps them in columns), its partition where the script names none. Not
+    sacct's time limit where the script writes none: that is a partition's default, which gsbatch
+    does not see either (the decider and training read the limit written, ``train.written_limit``)."""
     try:
         script = parse_script(row["text"].encode("utf-8", "surrogateescape"), f"job {row['job_id']}")
         request = build_request(script, [], {}, config.gpu_features())
@@ -43,10 +46,8 @@ def _request(row: Mapping[str, Any], config: Config) -> JobRequest | None:
             extra.append(f"--gres=gpu:{row['gpu_type']}:{row['gpus']}")
         if not request.main.partitions and row.get("partition") in config.partitions:
             extra.append(f"--partition={row['partition']}")
-        if row.get("time_limit") and request.main.time_limit_s is None:
-            extra.append(f"--time={max(1, int(row['time_limit']) // 60)}")
         return build_request(script, extra, {}, config.gpu_features()) if extra else request
-    except ValueError:
+    except (ValueError, InputError):  # a script sbatch would refuse: no request to replay
         return None
 
 

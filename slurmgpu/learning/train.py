@@ -31,6 +31,7 @@ from slurmgpu.pipeline.bundle import (
     zero_shift_mib,
 )
 from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.errors import InputError
 from slurmgpu.pipeline.features import (
     BUSY,
     HELD,
@@ -49,6 +50,8 @@ from slurmgpu.pipeline.features import (
     script_features,
     size_scale,
 )
+from slurmgpu.pipeline.request import build_request
+from slurmgpu.pipeline.script import parse_script
 
 USED_STATES = ("COMPLETED", "OUT_OF_MEMORY", "TIMEOUT", "FAILED")
 
@@ -276,22 +279,39 @@ def ended_at(row: Mapping[str, Any]) -> datetime:
     return row["submit"] + timedelta(seconds=row.get("elapsed") or 0)
 
 
+def written_limit(row: Mapping[str, Any], config: Config, read: dict[str, int | None]) -> int | None:
+    """The time limit the job's submission wrote, as the decider reads it from a request: the
+    recorded request's, else its script's (``read``: each script's, once). Not sacct's, which is a
+    partition's default where none was written: trained on that, a job that writes none would be
+    predicted as the shortest (its feature 0 never seen); left unwritten here, 0 means "none"."""
+    if row["request"]:
+        return row["request"].get("time_limit_s")
+    text = row.get("text")
+    if text is None:
+        return None
+    if text not in read:
+        try:
+            script = parse_script(text.encode("utf-8", "surrogateescape"), f"job {row.get('job_id')}")
+            read[text] = build_request(script, [], {}, config.gpu_features()).main.time_limit_s
+        except (ValueError, InputError):  # a script sbatch would refuse: no limit it wrote
+            read[text] = None
+    return read[text]
+
+
 def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[list[dict[str, Any]], HistoryStats]:
     """Feature rows with history as of each job's submission (point in time: only jobs that had
     ended by then count, never one still queued or running), and the final snapshot."""
     running = _Running()
     examples = []
     ended: list[tuple[datetime, int, dict[str, Any]]] = []  # a heap of outcomes not known yet
+    limits: dict[str, int | None] = {}  # each script's written time limit, read once
     for seq, row in enumerate(rows):
         while ended and ended[0][0] <= row["submit"]:
             running.add(heapq.heappop(ended)[2])
         gpu = _gpu(config, row["gpu_type"])
         history = running.now(row["script"])
-        # The limit written in the request where one was recorded, else sacct's (a job submitted
-        # without slurmgpu): the decider reads the request's.
-        limit = row["request"].get("time_limit_s") if row["request"] else row.get("time_limit")
         request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"],
-                   "time_limit_s": limit}
+                   "time_limit_s": written_limit(row, config, limits)}
         gpus = max(int(row["gpus"]), 1)
         f = job_features(row["script"], request, gpu, gpus, history)
         base = memory_base_mib(f, row["script"], history)
