@@ -321,7 +321,7 @@ def slurm_admits(rules: Mapping[str, Any]) -> Callable[[str, Mapping[str, str]],
 
 def model_fits(config: Config, bundle: Any, engine: Engine, cluster: str) -> Callable[[Candidate], Fits | None]:
     """For a job gsbatch recorded: whether the model predicts a card holds it (with the margin)."""
-    from slurmgpu.pipeline.features import job_features
+    from slurmgpu.pipeline.features import card_features, job_features
 
     def for_job(c: Candidate) -> Fits | None:
         with engine.connect() as conn:
@@ -333,7 +333,7 @@ def model_fits(config: Config, bundle: Any, engine: Engine, cluster: str) -> Cal
         request = dict(row[1] or {}) if row else {}
 
         def fits(card: GpuType) -> bool:
-            gpu = {"memory_gib": card.memory_gib, "relative_speed": card.relative_speed}
+            gpu = card_features(card)
             asked = config.gpu_types.get(c.gpu_type)
             f = job_features(script, {**request, "req_gpu_mem_gib": asked.memory_gib if asked else 0.0}, gpu,
                              c.gpus, bundle.history)

@@ -43,6 +43,7 @@ from slurmgpu.pipeline.features import (
     UTIL,
     UTIL_RUNS,
     HistoryStats,
+    card_features,
     job_features,
     log_rate,
     published_counts,
@@ -268,8 +269,7 @@ def _rate_spread(s: Mapping[str, float]) -> dict[str, float]:
 
 def _gpu(config: Config, name: str | None) -> dict[str, float]:
     t = config.gpu_types.get(name or "")
-    return {"memory_gib": t.memory_gib, "relative_speed": t.relative_speed} if t else \
-        {"memory_gib": 0.0, "relative_speed": 1.0}
+    return card_features(t) if t else {"memory_gib": 0.0, "relative_speed": 1.0}
 
 
 def ended_at(row: Mapping[str, Any]) -> datetime:
@@ -429,7 +429,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
 MONOTONE = {"memory": ("batch_size", "seq_len", "log_tokens", "params_b"), "runtime": ("log_steps",)}
 # Features a target must not read: a time limit says how long a user expects the job to run, not
 # how much memory it takes (a split on it would be a coincidence of the history).
-IGNORED = {"memory": ("log_limit",), "runtime": ()}
+IGNORED = {"memory": ("log_limit",)}
 
 
 def _trees(xs: list[list[float]], ys: list[float], loss: str, iterations: int, increasing: tuple[str, ...] = (),

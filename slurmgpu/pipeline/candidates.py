@@ -59,11 +59,11 @@ class CandidateTable:
         ``busy``: the most GPUs the family's runs on the asked count kept busy, if the decider trims
         on that evidence (from ``busy`` GPUs up, a type's row is its row at the asked count: the
         job uses the same GPUs the same way, only its wait differs)."""
-        from slurmgpu.pipeline.features import job_features
+        from slurmgpu.pipeline.features import card_features, job_features
 
         req_type, req_total = req.get("gpu_type"), int(req.get("gpus_total") or 0)
         array = array_tasks(req.get("array"))
-        rows = [job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, c,
+        rows = [job_features(sf, req, card_features(gt), c,
                              self.bundle.history) for gt, c in shapes]
         preds = self.bundle.predict_many(rows, sf)
         # A type or count the family never ran on is a prediction from other families: doubt it more.

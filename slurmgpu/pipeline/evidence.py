@@ -69,7 +69,7 @@ class FamilyEvidence:
     def peak_mib(self, request: JobRequest, gpu_type: str, gpus: int) -> float | None:
         """The per-GPU peak the model predicts for this job on ``gpus`` x ``gpu_type`` (MiB), or None
         when the model has no say: no script, a heterogeneous job, or too little history of the family."""
-        from slurmgpu.pipeline.features import job_features, script_features
+        from slurmgpu.pipeline.features import card_features, job_features, script_features
 
         if request.script is None or request.is_hetjob or gpu_type not in self.config.gpu_types:
             return None
@@ -80,8 +80,7 @@ class FamilyEvidence:
         comp = request.main
         gt = self.config.gpu_types[gpu_type]
         req = {**request.to_json(), "req_gpu_mem_gib": self.mem_gib(comp.gpu_type)}
-        feats = job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus,
-                             self.bundle.history)
+        feats = job_features(sf, req, card_features(gt), gpus, self.bundle.history)
         return float(self.bundle.peak_mib(feats, sf))
 
     def runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:

@@ -13,9 +13,12 @@ import math
 import re
 import shlex
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slurmgpu.pipeline.model_sizes import acts_per_token, published_size
+
+if TYPE_CHECKING:
+    from slurmgpu.pipeline.config import GpuType
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "horovodrun", "mpirun", "python3", "python", "srun")
 # Parameter counts (billions) of model names users commonly pass; a family never seen before
@@ -457,6 +460,11 @@ def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_
         return 3.0
     return placed_by_size(siblings, script_feats) or (2.0 if len(linear_fits(siblings)) >= 2 else
                                                       1.0 if any(measured(s) for s in siblings) else 0.0)
+
+
+def card_features(gpu: GpuType) -> dict[str, float]:
+    """What ``job_features`` reads of a GPU type: its memory (GiB) and relative speed."""
+    return {"memory_gib": gpu.memory_gib, "relative_speed": gpu.relative_speed}
 
 
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],

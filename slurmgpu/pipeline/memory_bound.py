@@ -77,10 +77,9 @@ class MemoryBound:
     def estimate_mib(self, sf: Mapping[str, Any], req: Mapping[str, Any], gt: GpuType, gpus: int) -> float:
         """The job's peak per GPU on GPUS of GT before the margin its stratum was calibrated to
         (``Bundle.peak_estimate_mib``): what the bound the fit test reads (with ``margin``) stands on."""
-        from slurmgpu.pipeline.features import job_features
+        from slurmgpu.pipeline.features import card_features, job_features
 
-        f = job_features(sf, req, {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}, gpus,
-                         self.bundle.history)
+        f = job_features(sf, req, card_features(gt), gpus, self.bundle.history)
         return float(self.bundle.peak_estimate_mib(f, sf))
 
     def fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Row,
@@ -89,10 +88,10 @@ class MemoryBound:
         (the bundle evaluated again with the batch changed, when the script writes one), and the
         smallest request that holds the job as written: a larger card from the table, or, for a
         ZeRO-sharded job, more GPUs of the requested type. Every figure is the one tested."""
-        from slurmgpu.pipeline.features import command_lines, job_features, main_command, option_values
+        from slurmgpu.pipeline.features import card_features, command_lines, job_features, main_command, option_values
 
         gt = self.config.gpu_types[baseline.gpu_type]
-        gpu = {"memory_gib": gt.memory_gib, "relative_speed": gt.relative_speed}
+        gpu = card_features(gt)
         hints: list[str] = []
 
         def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:
