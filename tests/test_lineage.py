@@ -374,13 +374,17 @@ def test_a_burst_of_one_request_is_decided_once_and_each_job_keeps_its_own_recor
     assert service.records is not None and service.records.flush() and service.records.written == 2
     assert sorted(json.loads(p.read_bytes())["decision"]["id"] for p in spool_dir.iterdir()) == \
         sorted([first["id"], second["id"]])
+    # Still under the same view some seconds later (the queue is read again every 10 s): reused.
+    service.recent = {key: (when - 5.0, *rest) for key, (when, *rest) in service.recent.items()}
+    service.handle(line, slurmctld)
+    assert service.reused == 2
     # Another user's identical line, another view of the cluster, or an older decision: decided anew.
     service.handle(line.replace(b'"user_id": 1234', b'"user_id": 1235'), slurmctld)
     service.free = {**BUSY_A100, "a100": 4}
     service.handle(line, slurmctld)
     monkeypatch.setattr(serve, "REUSE_S", 0.0)
     service.handle(line, slurmctld)
-    assert service.reused == 1
+    assert service.reused == 2
 
 
 def test_a_line_decided_anew_after_a_refresh_is_not_read_again(model_file: Path, spool_dir: Path,
