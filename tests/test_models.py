@@ -23,7 +23,7 @@ from slurmgpu.pipeline.candidates import Candidate
 from slurmgpu.pipeline.config import Config, load_config
 from slurmgpu.pipeline.features import job_features, model_size_b, script_features
 from slurmgpu.pipeline.memory_bound import UNSEEN_PENALTY
-from slurmgpu.pipeline.policy import KeepDecider, ModelDecider, prior_ranked
+from slurmgpu.pipeline.policy import ComponentChange, KeepDecider, ModelDecider, prior_ranked
 from slurmgpu.pipeline.request import build_request
 from slurmgpu.pipeline.runtime_estimate import RuntimeEstimate, measured_ratio, speed_fit, speed_points
 from slurmgpu.pipeline.script import parse_script
@@ -625,6 +625,38 @@ def test_a_move_keeps_the_jobs_own_runtime_margin_to_its_time_limit(trained, con
                     moved += 1
                     assert c.pred_runtime_s * c.runtime_margin <= limit_h * 3600, (c, d.reasons)
     assert min(margins) >= 1.0 and max(margins) > 1.0 and moved >= 1
+
+
+def test_a_move_to_a_slower_card_takes_a_longer_time_limit_where_slurm_admits_it(trained, config) -> None:
+    """The A100s busy, the V100s idle: the job's 2 minutes cover it on an A100, not at the V100's upper
+    runtime. The move takes the limit written x the predicted slowdown x LIMIT_MARGIN, in whole
+    minutes, says so, and writes it where the user wrote theirs; not where Slurm's rules are unknown
+    or the partition's MaxTime is shorter."""
+    from slurmgpu.apps.serve import apply_fields
+    from slurmgpu.pipeline.policy import LIMIT_MARGIN
+    from slurmgpu.pipeline.request import format_time
+    from slurmgpu.pipeline.rewrite import apply
+
+    text = script_for("resnet", 64, 2000, "a100").replace("-t 12:00:00", "-t 0:02:00")
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
+
+    def decide_with(admits):
+        return ModelDecider(config, trained[0], lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann", admits).decide(request)
+
+    d = decide_with(lambda name, comp: None)
+    rows = {(c.gpu_type, c.gpus): c for c in d.per_type}
+    asked, moved = rows[("a100", 1)], rows[("v100", 1)]
+    assert moved.pred_runtime_s * moved.runtime_margin > 120 >= asked.pred_runtime_s * asked.runtime_margin
+    limit = math.ceil(120 * moved.pred_runtime_s / asked.pred_runtime_s * LIMIT_MARGIN / 60) * 60
+    assert d.changes == (ComponentChange(0, gpu_type="v100", time_limit_s=limit),) and limit > 120, d.reasons
+    assert f"; time limit 00:02:00 -> {format_time(limit)}: the limit written x " \
+           f"{moved.pred_runtime_s / asked.pred_runtime_s:.2f}" in d.reasons[-1]
+    out = apply(request, d).script_text or ""
+    assert build_request(parse_script(out.encode(), "job.sh")).main.time_limit_s == limit
+    assert "-t 0:02:00" not in out and apply_fields(request, d)["time_limit"] == str(limit // 60)
+    short = decide_with(lambda name, comp: "MaxTime 3 min" if (comp.time_limit_s or 0) > 180 else None)
+    assert all(c.time_limit_s is None and c.gpu_type != "v100" for c in short.changes), short.reasons
+    assert all(c.time_limit_s is None for c in decide_with(None).changes)
 
 
 def test_a_job_moves_to_another_partition_only_when_the_admin_allows_it_and_slurm_admits_it(trained, config) -> None:

@@ -179,6 +179,9 @@ def test_advise_mode_submits_as_written_and_keeps_the_decision() -> None:
     assert "tag" not in modes.apply_resolution(tagged, modes.Resolution(ADVISE, "default"), [])  # no comment either
     assert modes.advice_line(PLAN["record"]["original_request"], decision) == \
         "1 x v100 would finish in ~40 min vs ~95 min as asked (58% sooner); submitted as written"
+    longer = {**decision, "changes": [{**decision["changes"][0], "time_limit_s": 5400}]}  # a move's longer limit
+    assert modes.advice_line(PLAN["record"]["original_request"], longer).startswith(
+        "1 x v100 with a time limit of 01:30:00 would finish in ~40 min")
 
 
 def test_a_waiver_keeps_the_request_with_its_reason_in_either_mode() -> None:

@@ -99,6 +99,26 @@ def test_check_plan_refuses_a_forged_submission(config: Config, name: str) -> No
     assert problem is not None and "\n" not in problem, name
 
 
+def test_check_plan_passes_a_longer_time_limit_only_as_decided(config: Config) -> None:
+    """A move to a slower card may lengthen the time limit (policy.LIMIT_MARGIN): the plan passes when
+    sbatch would read the decision's limit, longer than the job's; not a limit other than decided, a
+    shorter one, or one changed though the decision keeps it."""
+    def plan_with(limit: int | None, written: str) -> dict[str, Any]:
+        plan = honest_plan(config)
+        plan["decision"]["changes"][0]["time_limit_s"] = limit
+        plan["submission"]["script_text"] = plan["submission"]["script_text"].replace("--time=00:10:00", written)
+        return plan
+
+    assert check_plan(plan_with(1200, "--time=00:20:00"), config, SCRIPT, []) is None
+    assert check_plan(plan_with(1200, "-t 20"), config, SCRIPT, []) is None
+    for limit, written, said in ((1200, "--time=00:30:00", "the decision says 1200 s"),
+                                 (300, "--time=00:05:00", "not whole minutes longer than the job's 600"),
+                                 (1230, "--time=00:20:30", "not whole minutes longer"),
+                                 (None, "--time=00:20:00", "sbatch would read --time")):
+        problem = check_plan(plan_with(limit, written), config, SCRIPT, [])
+        assert problem is not None and said in problem, (limit, written, problem)
+
+
 @pytest.mark.parametrize(("text", "options", "env"), [
     (SCRIPT, [], {}),
     ("#!/bin/bash\n#SBATCH --gres=gpu:a100:1\nsrun x\n", ["-p", "gpu-small"], {}),

@@ -232,6 +232,9 @@ def test_change_descriptions_and_estimates() -> None:
                             "per_type": [candidate("a100", 4, 600.0, 1000.0), candidate("v100", 4, 0.0, 3000.0),
                                          candidate("v100", 2, 100.0, 3500.0)]})
     assert report.describe_change(untyped.original, untyped.decision) == "any -> v100; 4 -> 2 GPUs"
+    limited = {"changes": [{"index": 0, "gpu_type": "v100", "time_limit_s": 93600}]}
+    assert report.describe_change({"gpu_type": "a100", "gpus_total": 1, "time_limit_s": 3600}, limited) == \
+        "a100 -> v100; time limit 01:00:00 -> 1-02:00:00"
     assert report.queue_seconds_saved(untyped) == 500.0
     assert report.gpu_hours_saved(untyped) == 4.0  # (4 - 2) GPUs x 2 h
     assert report.queue_seconds_saved(untyped._replace(changed=False)) is None

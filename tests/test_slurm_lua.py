@@ -32,7 +32,7 @@ from slurmgpu.cli.serve import lua_group, lua_string
 from slurmgpu.pipeline.config import Config, Partition, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-TRES = ("tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition")
+TRES = ("tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition", "time_limit")
 TIMEOUT_S = 0.2
 GARBAGE = [
     b"garbage\n",
@@ -125,7 +125,8 @@ for _, job in ipairs(dofile(arg[2])) do
     local t0 = clock()
     local rc = slurm_job_submit(job, parts, 0)
     io.write(string.format("%d\t%.4f", rc, clock() - t0))
-    for _, key in ipairs({ "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition" }) do
+    for _, key in ipairs({ "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket", "partition",
+                           "time_limit" }) do
         io.write("\t", tostring(job[key]))
     end
     io.write("\n")
@@ -302,6 +303,37 @@ def test_a_partition_the_user_may_not_use_or_too_short_is_not_applied(lua: Path,
         out, log = run_hook(driver, hook, [{**MOVED, "time_limit": 120}, {**MOVED, "time_limit": 60}])
     assert out[0].fields["partition"] == "gpu-small" and "exceeds MaxTime 60 min of partition gpu" in log
     assert out[1].fields["partition"] == "gpu"
+
+
+def test_a_longer_time_limit_is_applied_within_maxtime_and_never_a_shorter_one(lua: Path, sock: str,
+                                                                                tmp_path: Path) -> None:
+    """A move to a slower card may take a longer time limit (job_desc.time_limit, minutes): applied where
+    the partition the job ends in admits it, never one that is no longer than the job's, nor where the
+    job wrote none."""
+    hook = render_hook(tmp_path / "hook.lua", "--socket", sock, "--backoff-s", "0")
+    driver = tmp_path / "driver.lua"
+    driver.write_text(lua.read_text().replace(
+        'local parts = { gpu = { flag_default = 1 }, ["gpu-small"] = { flag_default = 0 } }',
+        'local parts = { gpu = { flag_default = 1, max_time = 60 }, '
+        '["gpu-small"] = { flag_default = 0, max_time = 600 } }'))
+    answers = [b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:t4:1", "time_limit": "45"}}}\n',
+               b'{"ok": true, "decision": {"apply": {"partition": "gpu", "tres_per_node": "gpu:v100:1", '
+               b'"time_limit": "90"}}}\n',  # over gpu's MaxTime of 60 min
+               b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:t4:1", "time_limit": "30"}}}\n',
+               b'{"ok": true, "decision": {"apply": {"tres_per_node": "gpu:t4:1", "time_limit": "45"}}}\n']
+    small = job(tres_per_node="gres:gpu:t4:2", partition="gpu-small")
+    jobs = [{**small, "time_limit": 30}, {**small, "time_limit": 30}, {**small, "time_limit": 30}, small]
+    with stand_in(sock, "garbage", answers):
+        out, log = run_hook(driver, hook, jobs)
+    assert [o.rc for o in out] == [0] * 4
+    assert (out[0].fields["time_limit"], out[0].fields["tres_per_node"]) == ("45", "gres:gpu:t4:1"), log
+    assert "time_limit 30 -> 45" in log
+    for o in out[1:3]:
+        assert (o.fields["time_limit"], o.fields["tres_per_node"], o.fields["partition"]) == \
+            ("30", "gres:gpu:t4:2", "gpu-small"), log
+    assert (out[3].fields["time_limit"], out[3].fields["tres_per_node"]) == (None, "gres:gpu:t4:2"), log
+    assert "time limit 90 min exceeds MaxTime 60 min of partition gpu" in log
+    assert "time limit 30 min is not longer than the job's 30" in log and "is not longer than the job's nil" in log
 
 
 def test_a_hook_rendered_without_a_config_applies_nothing(lua: Path, sock: str, tmp_path: Path) -> None:

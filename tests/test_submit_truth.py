@@ -181,6 +181,33 @@ def test_slurm_gets_the_gpu_mem_asked_in_advise_mode(tmp_path: Path, held: list[
     assert re.fullmatch(r"(?:gres[:/])?gpu:v100:1", info.get("TresPerNode", "")), info
 
 
+@pytest.mark.slurm
+@pytest.mark.parametrize(("directive", "cli", "env"), [("#SBATCH -t 0:02:00\n", [], {}),
+                                                    ("#SBATCH --time=9\n", ["--time=2"], {}),
+                                                    ("", [], {"SBATCH_TIMELIMIT": "2"})])
+def test_slurm_gets_the_longer_time_limit_of_a_move_where_the_user_wrote_theirs(
+        tmp_path: Path, held: list[str], directive: str, cli: list[str], env: dict[str, str]) -> None:
+    """A move to a slower card with a longer limit (ComponentChange.time_limit_s) is written where the
+    limit the job has was set: in the script, on the command line or in SBATCH_TIMELIMIT."""
+    from slurmgpu.pipeline.policy import ComponentChange, Decision
+    from slurmgpu.pipeline.request import build_request
+    from slurmgpu.pipeline.rewrite import apply
+    from slurmgpu.pipeline.script import parse_script
+
+    text = f"#!/bin/bash\n#SBATCH --gres=gpu:a100:1\n{directive}python train.py\n"
+    request = build_request(parse_script(text.encode(), "job.sh"), cli, env)
+    assert request.main.time_limit_s == 120
+    sub = apply(request, Decision((ComponentChange(0, gpu_type="v100", time_limit_s=300),), ("moved",), decider="t"))
+    (tmp_path / "job.sh").write_text(sub.script_text or "")
+    res = subprocess.run(["sbatch", "--hold", "--parsable", "-J", JOB_NAME, *sub.cli_words, "job.sh"], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ, **env, **sub.env_overrides}, check=False)
+    assert res.returncode == 0, res.stderr
+    held.append(res.stdout.strip().split(";")[0])
+    info = show_job(held[-1])
+    assert info["TimeLimit"] == "00:05:00", info
+    assert re.fullmatch(r"(?:gres[:/])?gpu:v100:1", info.get("TresPerNode", "")), info
+
+
 # --- item 10: typos are said ------------------------------------------------------------------------
 
 

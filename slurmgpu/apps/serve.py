@@ -212,6 +212,8 @@ def apply_fields(request: JobRequest, decision: Decision) -> dict[str, str]:
         out[FIELD_OF_OPTION[ask.option]] = value if ask.option == "gres" else f"gpu:{value}"
     if change.partition is not None:
         out["partition"] = change.partition
+    if change.time_limit_s is not None:
+        out["time_limit"] = str(change.time_limit_s // 60)  # job_desc.time_limit: minutes (whole: longer_limit)
     return out
 
 

@@ -194,6 +194,10 @@ def advice_line(original: Mapping[str, Any] | None, decision: Mapping[str, Any])
     d_type, d_gpus = change.get("gpu_type") or o_type, change.get("gpus_total") or o_gpus
     shape = f"{d_gpus if d_gpus is not None else '?'} x {d_type or 'any GPU'}"
     where = f" in partition {change['partition']}" if change.get("partition") else ""
+    if isinstance(change.get("time_limit_s"), int):
+        from slurmgpu.pipeline.request import format_time  # the request module gsbatch has read the job with
+
+        where += f" with a time limit of {format_time(change['time_limit_s'])}"
     asked = f"{o_gpus if o_gpus is not None else '?'} x {o_type or 'any GPU'}"
     reasons = [str(r) for r in decision.get("reasons") or []]
     was = f" in partition {original['partition']}" if where and original.get("partition") else ""

@@ -362,6 +362,13 @@ def parse_time(value: str, option: str = "--time") -> int | None:
     return int(a) * 60  # minutes
 
 
+def format_time(seconds: int) -> str:
+    """A time limit as sbatch's --time reads it and scontrol shows it: [days-]hours:minutes:seconds."""
+    days, rest = divmod(int(seconds), 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
+
+
 def parse_mem_mb(value: str, option: str) -> int:
     m = re.match(_MEM, value)
     if not m:

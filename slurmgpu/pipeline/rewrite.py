@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from slurmgpu.pipeline.policy import ComponentChange, Decision
-from slurmgpu.pipeline.request import ComponentRequest, GpuAsk, JobRequest, Origin
+from slurmgpu.pipeline.request import ComponentRequest, GpuAsk, JobRequest, Origin, format_time
 from slurmgpu.pipeline.sbatch_options import BY_NAME, BY_SHORT, ENV_BY_OPTION, Arg
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_.,:/@%+=-]*$")
@@ -198,6 +198,8 @@ def apply(req: JobRequest, decision: Decision) -> Submission:
             _set_option(req, comp, ask.option, value, edits)
         if change.partition is not None:
             _set_option(req, comp, "partition", change.partition, edits)
+        if change.time_limit_s is not None:
+            _set_option(req, comp, "time", format_time(change.time_limit_s), edits)
         now.append(_describe_after(comp, change))
     text = original
     if req.script is not None and original is not None:
@@ -240,4 +242,5 @@ def _describe_after(comp: ComponentRequest, change: ComponentChange) -> str:
     gtype = change.gpu_type or comp.gpu_type
     total = change.gpus_total if change.gpus_total is not None else comp.gpus_total
     part = change.partition or comp.partition or "(default)"
-    return f"{total} x {gtype or 'any'} GPU{'s' if total != 1 else ''} in partition {part}"
+    limit = f", time limit {format_time(change.time_limit_s)}" if change.time_limit_s is not None else ""
+    return f"{total} x {gtype or 'any'} GPU{'s' if total != 1 else ''} in partition {part}{limit}"

@@ -26,10 +26,12 @@ if TYPE_CHECKING:
     from typing import Any
 
 GPU_OPTIONS = ("gres", "gpus", "gpus-per-node", "gpus-per-task", "gpus-per-socket")
-REWRITABLE = ("partition", *GPU_OPTIONS)  # the only options a rewrite may set
+REWRITABLE = ("partition", *GPU_OPTIONS)  # the options a rewrite may set
+# ... and this one, only as a change's longer time limit says (a move to a slower card: policy.LIMIT_MARGIN)
+TIME_OPTION = "time"
 ENV_OF = {"SBATCH_PARTITION": "partition", "SBATCH_GRES": "gres", "SBATCH_GPUS": "gpus",
           "SBATCH_GPUS_PER_NODE": "gpus-per-node", "SBATCH_GPUS_PER_TASK": "gpus-per-task",
-          "SBATCH_GPUS_PER_SOCKET": "gpus-per-socket"}
+          "SBATCH_GPUS_PER_SOCKET": "gpus-per-socket", "SBATCH_TIMELIMIT": TIME_OPTION}
 
 
 def _is_count(value: Any) -> bool:
@@ -75,6 +77,9 @@ def check_decision(decision: Any, config: Config, original: Mapping[str, Any] | 
             return f"partition {part!r} is not in the slurmgpu config"
         if total is not None and (not _is_count(total) or total < 1):
             return f"GPU count {total!r} is not a positive whole number"
+        limit, written = change.get("time_limit_s"), comp.get("time_limit_s")
+        if limit is not None and (not _is_count(limit) or limit % 60 or not _is_count(written) or limit <= written):
+            return f"time limit {limit!r} s is not whole minutes longer than the job's {written!r}"
         if part is not None and admits is not None and (why := admits(part)):
             return f"partition {part} would not take the job: {why}"
         where = part or comp.get("partition") or config.default_partition
@@ -176,7 +181,7 @@ def _script_problem(old: BatchScript, new: BatchScript) -> str | None:
     cut_new = (new.first_command_line or len(new_lines) + 1) - 1
     if old_lines[cut_old:] != new_lines[cut_new:]:
         return f"the script was changed from its first command (line {cut_old + 1}) on"
-    rewritable = {d.line for d in old.directives if d.name in REWRITABLE}
+    rewritable = {d.line for d in old.directives if d.name in (*REWRITABLE, TIME_OPTION)}  # time: _request_problem
     directive_lines = {d.line for d in new.directives}
     head = [(j + 1, line) for j, line in enumerate(new_lines[:cut_new]) if not line.startswith(PROVENANCE)]
     # Walk the original's lines before the first command: each is in the submission, in order,
@@ -207,14 +212,18 @@ def _request_problem(before: JobRequest, after: JobRequest, changes: Mapping[int
         return f"the submission's unknown options {list(after.unknown_options)[:4]!r} are not the request's"
     for old, new in zip(before.components, after.components, strict=True):
         where = f"component {old.index}: " if before.is_hetjob else ""
+        change = changes.get(old.index, {})
+        limit = change.get("time_limit_s")
+        if limit is not None and new.time_limit_s != limit:
+            return f"{where}sbatch would read a time limit of {new.time_limit_s} s, the decision says {limit} s"
+        decided = (*DECIDED_FIELDS, "time_limit_s") if limit is not None else DECIDED_FIELDS
         for name in sorted(set(old.options) | set(new.options)):
             was, now = (_value(c.options.get(name)) for c in (old, new))
-            if name not in REWRITABLE and was != now:
+            if name not in REWRITABLE and (name != TIME_OPTION or limit is None) and was != now:
                 return f"{where}sbatch would read --{name} as {now}, the request says {was}"
         was_json, now_json = old.to_json(), new.to_json()
-        if field := next((k for k in was_json if k not in DECIDED_FIELDS and was_json[k] != now_json[k]), None):
+        if field := next((k for k in was_json if k not in decided and was_json[k] != now_json[k]), None):
             return f"{where}sbatch would read {field} as {now_json[field]!r}, the request says {was_json[field]!r}"
-        change = changes.get(old.index, {})
         want = change.get("partition") or old.partition
         if new.partition != want:
             return f"{where}sbatch would read partition {new.partition}, the decision says {want}"

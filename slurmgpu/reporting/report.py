@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from slurmgpu.collector.oom import HOST_OOM_STATE
 from slurmgpu.pipeline.config import Config
+from slurmgpu.pipeline.request import format_time
 from slurmgpu.reporting import alerts
 from slurmgpu.reporting.alerts import AlertRow
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, JobUse
@@ -142,6 +143,8 @@ def describe_change(original: Mapping[str, Any] | None, decision: Mapping[str, A
             parts.append(f"{where}{was.get('gpus_total')} -> {ch['gpus_total']} GPUs")
         if ch.get("partition"):
             parts.append(f"{where}partition {was.get('partition') or 'default'} -> {ch['partition']}")
+        if isinstance(ch.get("time_limit_s"), int) and isinstance(was.get("time_limit_s"), int):
+            parts.append(f"{where}time limit {format_time(was['time_limit_s'])} -> {format_time(ch['time_limit_s'])}")
     return "; ".join(parts) or "changed"
 
 

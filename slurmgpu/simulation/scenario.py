@@ -296,6 +296,7 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
 
     to_type = {pool.gres: pool.gpu_type for part in cluster.partitions for pool in part.pools}
     decided: dict[str, Outcome] = {}  # by submission: an array's tasks ("<id>_<task>") are one decision
+    limits: dict[str, int | None] = {}  # by submission: the longer time limit its move took
     placed: dict[str, Outcome] = {}
     changed, infeasible = 0, 0
     for job in sorted(jobs, key=lambda j: (j.submit_time, j.job_id)):  # simulate's queue order
@@ -310,13 +311,16 @@ def model_decisions(train: Sequence[JobSpec], jobs: Sequence[JobSpec], cluster: 
                 change = decision.changes[0]
                 gres = change.gpu_type or cluster.gres_name(job.req_gpu_type)
                 new = Outcome(to_type[gres], change.gpus_total or job.req_gpus)
-                if _admits(cluster, job, *new):
+                limited = job if change.time_limit_s is None else job._replace(time_limit_s=change.time_limit_s)
+                if _admits(cluster, limited, *new):  # a move to a slower card may take a longer limit
                     choice = new
+                    limits[key] = change.time_limit_s
                 else:
                     infeasible += 1
             decided[key] = choice
         placed[job.job_id] = decided[key]
-        sim.submit(sim_job(job, t0, decided[key]))
+        limit = limits.get(key)
+        sim.submit(sim_job(job if limit is None else job._replace(time_limit_s=limit), t0, decided[key]))
         changed += placed[job.job_id] != (job.req_gpu_type, job.req_gpus)
     note = f"{used}; changed {changed:,} of {len(jobs):,} jobs"
     return placed, used, note + (f"; {infeasible} decisions beyond a node kept as asked" if infeasible else "")

@@ -280,15 +280,16 @@ local function changes_for(job_desc, apply, part_list)
             return nil, "non-string value for " .. tostring(field)
         elseif field == "partition" and value:match("^[%w_.%-]+$") then
             if not SITE.partitions[value] then return nil, "partition " .. value .. " is not in the slurmgpu config" end
-            local part = (part_list or {})[value]
-            if not part then return nil, "partition " .. value .. " is not one this job's user may use" end
-            local limit, asked = part.max_time, job_desc.time_limit
-            if type(limit) == "number" and type(asked) == "number" and asked < NO_VAL and limit < NO_VAL
-                    and asked > limit then
-                return nil, string.format("time limit %d min exceeds MaxTime %d min of partition %s", asked, limit, value)
-            end
+            if not (part_list or {})[value] then return nil, "partition " .. value .. " is not one this job's user may use" end
             new = value
             partition = value
+        elseif field == "time_limit" and value:match("^%d+$") then
+            -- only ever longer than the limit the job wrote (a move to a slower card), never set where it wrote none
+            local old = job_desc.time_limit
+            new = tonumber(value)
+            if type(old) ~= "number" or old >= NO_VAL or new <= old or new >= NO_VAL then
+                return nil, string.format("time limit %s min is not longer than the job's %s", value, tostring(old))
+            end
         elseif IS_TRES[field] and (value:match("^gpu:%d+$") or value:match("^gpu:[%w_.%-]+:%d+$")) then
             new = job_desc[field] and replace_gpu(job_desc[field], value)
             if not new then return nil, tostring(field) .. " holds no GPU entry" end
@@ -301,6 +302,15 @@ local function changes_for(job_desc, apply, part_list)
         if IS_TRES[field] then
             local problem = check_gpu(field, value, partition)
             if problem then return nil, problem end
+        end
+    end
+    if apply.partition or apply.time_limit then
+        local part = (part_list or {})[partition or ""]
+        local limit = part and part.max_time
+        local asked = apply.time_limit and tonumber(apply.time_limit) or job_desc.time_limit
+        if type(limit) == "number" and type(asked) == "number" and asked < NO_VAL and limit < NO_VAL
+                and asked > limit then
+            return nil, string.format("time limit %d min exceeds MaxTime %d min of partition %s", asked, limit, partition)
         end
     end
     return changes
