@@ -164,7 +164,8 @@ def explain_text(request: JobRequest, decision: Decision, memory_gib: Mapping[st
         lines.append(f"refused: {decision.refusal}")
     for c in decision.changes:
         parts = [f"{k}={v}" for k, v in (("gpu_type", c.gpu_type), ("gpus_total", c.gpus_total),
-                                            ("partition", c.partition)) if v is not None]
+                                            ("partition", c.partition), ("time_limit_s", c.time_limit_s))
+                 if v is not None]
         lines.append(f"change (component {c.index}): {', '.join(parts)}")
     lines.extend(f"reason: {r}" for r in decision.reasons)
     if decision.per_type:
