@@ -630,8 +630,8 @@ def test_a_move_keeps_the_jobs_own_runtime_margin_to_its_time_limit(trained, con
 def test_a_move_to_a_slower_card_takes_a_longer_time_limit_where_slurm_admits_it(trained, config) -> None:
     """The A100s busy, the V100s idle: the job's 2 minutes cover it on an A100, not at the V100's upper
     runtime. The move takes the limit written x the predicted slowdown x LIMIT_MARGIN, in whole
-    minutes, says so, and writes it where the user wrote theirs; not where Slurm's rules are unknown
-    or the partition's MaxTime is shorter."""
+    minutes, says so, and writes it where the user wrote theirs; not where Slurm's rules are unknown,
+    the partition's MaxTime is shorter, or the admin did not turn it on (lengthen_time_limit)."""
     from slurmgpu.apps.serve import apply_fields
     from slurmgpu.pipeline.policy import LIMIT_MARGIN
     from slurmgpu.pipeline.request import format_time
@@ -640,8 +640,9 @@ def test_a_move_to_a_slower_card_takes_a_longer_time_limit_where_slurm_admits_it
     text = script_for("resnet", 64, 2000, "a100").replace("-t 12:00:00", "-t 0:02:00")
     request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
 
-    def decide_with(admits):
-        return ModelDecider(config, trained[0], lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann", admits).decide(request)
+    def decide_with(admits, lengthen=True):
+        cfg = config._replace(policy=config.policy._replace(lengthen_time_limit=lengthen))
+        return ModelDecider(cfg, trained[0], lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann", admits).decide(request)
 
     d = decide_with(lambda name, comp: None)
     rows = {(c.gpu_type, c.gpus): c for c in d.per_type}
@@ -657,6 +658,7 @@ def test_a_move_to_a_slower_card_takes_a_longer_time_limit_where_slurm_admits_it
     short = decide_with(lambda name, comp: "MaxTime 3 min" if (comp.time_limit_s or 0) > 180 else None)
     assert all(c.time_limit_s is None and c.gpu_type != "v100" for c in short.changes), short.reasons
     assert all(c.time_limit_s is None for c in decide_with(None).changes)
+    assert all(c.time_limit_s is None for c in decide_with(lambda name, comp: None, lengthen=False).changes)
 
 
 def test_a_job_moves_to_another_partition_only_when_the_admin_allows_it_and_slurm_admits_it(trained, config) -> None:

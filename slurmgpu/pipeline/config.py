@@ -68,6 +68,10 @@ class Policy(NamedTuple):
     # The model may move a job to any configured partition whose Slurm rules admit it, not only
     # among the types of the partition it asked for (a faster or idle card elsewhere).
     move_partitions: bool = False
+    # A move to a card the job is predicted to run slower on may lengthen the time limit it wrote, within
+    # the partition's MaxTime (pipeline/policy.py LIMIT_MARGIN). Off by default: a QOS's MaxWall is not
+    # read, and where it is shorter than a partition's MaxTime such a job would pend for ever.
+    lengthen_time_limit: bool = False
 
 
 class Site(NamedTuple):
@@ -303,6 +307,7 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
         mode=pol.get("mode", str, REWRITE),
         oom_retry=pol.get("oom_retry", bool, False),
         move_partitions=pol.get("move_partitions", bool, False),
+        lengthen_time_limit=pol.get("lengthen_time_limit", bool, False),
     )
     if policy.mode not in MODES:
         raise pol._err("mode", f"must be one of {', '.join(MODES)}, got {policy.mode!r}")

@@ -405,7 +405,7 @@ class ModelDecider:
             """Whether C finishes within the job's time limit, or within a longer one (limits)."""
             if in_time_limit(self.config, self.bundle, c, baseline, comp.time_limit_s):
                 return True
-            longer = longer_limit(comp.time_limit_s, c, baseline)
+            longer = longer_limit(comp.time_limit_s, c, baseline) if policy.lengthen_time_limit else None
             part = home(c)
             if longer is None or part is None or self.admits is None or \
                     self.admits(part, comp._replace(time_limit_s=longer)) is not None or \

@@ -163,7 +163,7 @@ def scenario_config(cluster: ClusterSpec) -> Config:
     # 2.04 vs 2.07 h and 2.04 vs 2.03 h, failed 187 vs 244 and 194 vs 208, GPU-hours 132k vs 131k
     # and 108k vs 114k (cheaper, slower cards hold jobs longer).
     return Config(f"<scenario {cluster.name}>", types, parts,
-                  Policy(decider="model", objective="fastest", move_partitions=True))
+                  Policy(decider="model", objective="fastest", move_partitions=True, lengthen_time_limit=True))
 
 
 def partition_admits(cluster: ClusterSpec) -> Admits:
