@@ -661,6 +661,26 @@ def test_a_move_to_a_slower_card_takes_a_longer_time_limit_where_slurm_admits_it
     assert all(c.time_limit_s is None for c in decide_with(lambda name, comp: None, lengthen=False).changes)
 
 
+def test_a_job_that_writes_no_limit_moves_to_a_slower_card_only_within_the_one_slurm_gives_it(trained, config) -> None:
+    """Without --time the job runs under the partition's DefaultTime (else MaxTime): a move to a card
+    where it would run past that is no candidate; where Slurm gives no limit, or it is not known, the
+    move stands."""
+    text = script_for("resnet", 64, 2000, "a100").replace("#SBATCH -t 12:00:00\n", "")
+    request = build_request(parse_script(text.encode(), "job.sh"), [], {}, config.gpu_features())
+    assert request.main.time_limit_s is None
+
+    def moved_to(given):
+        d = ModelDecider(config, trained[0], lambda: {"a100": 0, "v100": 4, "t4": 4}, "ann",
+                         given_limit=given).decide(request)
+        return {c.gpu_type for c in d.changes}, d
+
+    rows = {(c.gpu_type, c.gpus): c for c in moved_to(None)[1].per_type}
+    assert rows[("v100", 1)].pred_runtime_s * rows[("v100", 1)].runtime_margin > 120
+    assert moved_to(None)[0] == {"v100"} and moved_to(lambda name: 3600)[0] == {"v100"}
+    assert moved_to(lambda name: None)[0] == {"v100"}
+    assert "v100" not in moved_to(lambda name: 120)[0]
+
+
 def test_a_job_moves_to_another_partition_only_when_the_admin_allows_it_and_slurm_admits_it(trained, config) -> None:
     """v100 and a100 (partition gpu) busy, t4 free in gpu-small: the move needs ``move_partitions``
     and Slurm's rules for the other partition; unknown or refusing rules keep it home."""

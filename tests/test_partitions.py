@@ -41,6 +41,14 @@ def test_the_captured_output_of_this_cluster() -> None:
     assert debug.allow_qos is None and debug.max_time_min is None and debug.nodes == {"gpu1", "gpu2"}
     assert rules["gpu"].nodes == {"gpu1"} and rules["gpu-small"].nodes == {"gpu2"}
     assert all(r.admits(ANYONE) for r in rules.values())
+    assert all(r.given_time_min is None for r in rules.values())  # DefaultTime=NONE, MaxTime=UNLIMITED
+
+
+def test_the_limit_a_job_writing_none_gets() -> None:
+    """Slurm gives a job without --time the partition's DefaultTime, else its MaxTime."""
+    assert variant("gpu", DefaultTime="01:00:00", MaxTime="1-00:00:00")["gpu"].given_time_min == 60
+    assert variant("gpu", MaxTime="2:00:00")["gpu"].given_time_min == 120
+    assert variant("gpu", DefaultTime="2-00:00:00")["gpu"].given_time_min == 2880
 
 
 @pytest.mark.parametrize(("fields", "job", "why"), [

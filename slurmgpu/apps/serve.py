@@ -87,7 +87,7 @@ from slurmgpu import __version__
 from slurmgpu.apps import metrics
 from slurmgpu.apps.daemon_client import DEFAULT_SOCKET, MAX_REQUEST_BYTES, ask, call  # noqa: F401 - re-exported
 from slurmgpu.apps.serve_records import DecisionRecords
-from slurmgpu.apps.site import slurm_admits
+from slurmgpu.apps.site import slurm_admits, slurm_given_limit
 from slurmgpu.pipeline.bundle import Bundle  # imported here, as root: after --run-as the install may be unreadable
 from slurmgpu.pipeline.config import Config
 from slurmgpu.pipeline.errors import InputError
@@ -437,7 +437,7 @@ class Service:
         if model.bundle is None:
             return KeepDecider(f"model unusable ({model.error}); request kept"), None
         return (make_decider(self.config, model.bundle, lambda: self.free, who.name, self.admits(who), self._wait(),
-                             self._capacity()), model.digest)
+                             self._capacity(), slurm_given_limit(self.partitions)), model.digest)
 
     def _capacity(self) -> Capacity | None:
         """What the live nodes can start, from the last queue view (None before one is read)."""

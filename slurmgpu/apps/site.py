@@ -20,7 +20,7 @@ from slurmgpu.typing_lite import TYPE_CHECKING
 if TYPE_CHECKING:  # the decision modules load only when gsbatch decides in its own process
     from typing import Any
 
-    from slurmgpu.pipeline.policy import Admits, Decider, Decision
+    from slurmgpu.pipeline.policy import Admits, Decider, Decision, GivenLimit
     from slurmgpu.pipeline.request import ComponentRequest, JobRequest
     from slurmgpu.slurm.backend import SlurmBackend
     from slurmgpu.slurm.partitions import PartitionRules
@@ -131,15 +131,14 @@ def local_decider(config: Config, backend: SlurmBackend, env: Mapping[str, str],
         print(f"gsbatch: warning: {one_line(f'model {path} unusable ({exc})')}; request kept as written",
               file=sys.stderr)
         return KeepDecider("model unusable")
-    admits = None
-    if config.policy.move_partitions:  # a move to another partition needs Slurm's rules for it
-        try:
-            rules, error = cached_partitions(env), None
-        except (OSError, ValueError) as exc:
-            rules, error = None, str(exc)
-        admits = slurm_admits(rules, error, user, os.getuid())
+    try:  # Slurm's rules: for a move to another partition, and the limit a job writing none gets
+        rules, error = cached_partitions(env), None
+    except (OSError, ValueError) as exc:
+        rules, error = None, str(exc)
+    admits = slurm_admits(rules, error, user, os.getuid()) if config.policy.move_partitions else None
     wait, capacity = cached_queue(backend, env)
-    return make_decider(config, bundle, user=user, admits=admits, wait=wait, capacity=capacity)
+    return make_decider(config, bundle, user=user, admits=admits, wait=wait, capacity=capacity,
+                        given_limit=slurm_given_limit(rules))
 
 
 def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, user: str | None,
@@ -169,6 +168,19 @@ def slurm_admits(rules: Mapping[str, PartitionRules] | None, error: str | None, 
         return rules[name].refusal(job)
 
     return check
+
+
+def slurm_given_limit(rules: Mapping[str, PartitionRules] | None) -> GivenLimit | None:
+    """The time limit Slurm gives a job that writes none, per partition, from its rules (None where
+    they could not be read: such a job's moves are then held to no limit, as before they were read)."""
+    if rules is None:
+        return None
+
+    def given(name: str) -> int | None:
+        minutes = rules[name].given_time_min if name in rules else None
+        return minutes * 60 if minutes is not None else None
+
+    return given
 
 
 def _fresh_cache(env: Mapping[str, str], name: str, ttl_s: float) -> tuple[str, str | None, float]:

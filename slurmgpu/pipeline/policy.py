@@ -107,6 +107,9 @@ FITS_AS_ASKED = "the request fits the partition it asks for"
 
 # Whether Slurm would take this component in that partition: None when it would, else why not.
 Admits = Callable[[str, ComponentRequest], "str | None"]
+# The time limit (seconds) Slurm gives a job that writes none in that partition: its DefaultTime, else
+# its MaxTime; None where unlimited or not known.
+GivenLimit = Callable[[str], "int | None"]
 
 
 class Decider(Protocol):
@@ -288,12 +291,16 @@ class ModelDecider:
 
     def __init__(self, config: Config, bundle: Any, free_gpus: Callable[[], Mapping[str, int]],
                  user: str | None = None, admits: Admits | None = None,
-                 wait: Waits | None = None, capacity: Capacity | None = None) -> None:
-        """``wait(type, gpus, ...)``: expected seconds until that many GPUs of the type start the job
-        (an array's tasks: their mean), from the queue (pipeline/queue.py); without it, idle GPUs now
-        or an assumed wait (pipeline/candidates.py). ``capacity``: the live nodes, which keep a type,
-        count or partition they cannot start out of the candidates."""
+                 wait: Waits | None = None, capacity: Capacity | None = None,
+                 given_limit: GivenLimit | None = None) -> None:
+        """``given_limit``: the limit a job that writes none runs under in a partition (else such a
+        job's moves are not held to any). ``wait(type, gpus, ...)``: expected seconds until that many
+        GPUs of the type start the job (an array's tasks: their mean), from the queue
+        (pipeline/queue.py); without it, idle GPUs now or an assumed wait (pipeline/candidates.py).
+        ``capacity``: the live nodes, which keep a type, count or partition they cannot start out of
+        the candidates."""
         self.config, self.bundle, self.free_gpus, self.user, self.admits = config, bundle, free_gpus, user, admits
+        self.given_limit = given_limit
         self.rules = RuleDecider(config, admits, capacity)
         self.evidence = FamilyEvidence(config, bundle)  # what the family's history says beyond the models
         # the figures of each shape the job may run on: runtime, memory fit, wait
@@ -401,9 +408,16 @@ class ModelDecider:
             enough = [fewest_fitting(self.config, c, table) for c in table if c.fits and c.gpus == req_total]
         limits: dict[tuple[str, int], int] = {}  # shape -> the longer time limit its move takes
 
+        def limit_of(c: Candidate) -> int | None:
+            """The job's time limit where C would run: the one written, else the partition's given one."""
+            part = home(c)
+            if comp.time_limit_s or self.given_limit is None or part is None:
+                return comp.time_limit_s
+            return self.given_limit(part)
+
         def timely(c: Candidate) -> bool:
             """Whether C finishes within the job's time limit, or within a longer one (limits)."""
-            if in_time_limit(self.config, self.bundle, c, baseline, comp.time_limit_s):
+            if in_time_limit(self.config, self.bundle, c, baseline, limit_of(c)):
                 return True
             longer = longer_limit(comp.time_limit_s, c, baseline) if policy.lengthen_time_limit else None
             part = home(c)
@@ -489,7 +503,7 @@ class ModelDecider:
                           and types[c.gpu_type].memory_gib > types[baseline.gpu_type].memory_gib
                           and c.pred_peak_mem_mib * plain <= types[c.gpu_type].memory_gib * 1024
                           and _done(c) < _done(best) and home(c) is not None
-                          and in_time_limit(self.config, self.bundle, c, baseline, comp.time_limit_s)),
+                          and in_time_limit(self.config, self.bundle, c, baseline, limit_of(c))),
                          key=_done, default=None) if _done(best) > LATE_FIT * _done(baseline) else None
             if nearer is not None:
                 late = (f"; {best.gpus} x {best.gpu_type}, which holds it with the {best.margin:.0%} margin, is "
@@ -607,7 +621,8 @@ def _unbounded(c: Candidate) -> str:
 
 def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[], Mapping[str, int]] | None = None,
                  user: str | None = None, admits: Admits | None = None,
-                 wait: Waits | None = None, capacity: Capacity | None = None) -> Decider:
+                 wait: Waits | None = None, capacity: Capacity | None = None,
+                 given_limit: GivenLimit | None = None) -> Decider:
     """The configured decider; the model decider needs a loaded bundle (else: keep). ``admits``
     (when given) keeps both deciders from moving a job to a partition Slurm would refuse it in,
     ``capacity`` (the live nodes) from choosing what no node there can start."""
@@ -616,5 +631,5 @@ def make_decider(config: Config | None, model: Any = None, free_gpus: Callable[[
     if config.policy.decider == "keep":
         return KeepDecider("policy.decider = keep")
     if config.policy.decider == "model" and model is not None:
-        return ModelDecider(config, model, free_gpus or (lambda: {}), user, admits, wait, capacity)
+        return ModelDecider(config, model, free_gpus or (lambda: {}), user, admits, wait, capacity, given_limit)
     return RuleDecider(config, admits, capacity)

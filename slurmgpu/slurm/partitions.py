@@ -36,6 +36,13 @@ class PartitionRules(NamedTuple):
     nodes: frozenset[str] | None = None  # None: the node list could not be expanded
     root_only: bool = False
     disable_root_jobs: bool = False
+    default_time_min: int | None = None  # None: NONE (a job writing no limit gets MaxTime)
+
+    @property
+    def given_time_min(self) -> int | None:
+        """The time limit Slurm gives a job that writes none here: DefaultTime, else MaxTime (None:
+        unlimited)."""
+        return self.default_time_min if self.default_time_min is not None else self.max_time_min
 
     def refusal(self, job: JobAccess) -> str | None:
         """Why Slurm would refuse ``job`` in this partition, or None when it admits it."""
@@ -202,6 +209,8 @@ def parse_partition_line(line: str) -> PartitionRules:
         nodes=nodes,
         root_only=fields.get("RootOnly", "NO").upper() == "YES",
         disable_root_jobs=fields.get("DisableRootJobs", "NO").upper() == "YES",
+        default_time_min=None if fields.get("DefaultTime", "NONE").upper() == "NONE"
+        else parse_time_min(fields["DefaultTime"]),
     )
 
 
