@@ -363,7 +363,9 @@ def parse_time(value: str, option: str = "--time") -> int | None:
 
 
 def format_time(seconds: int) -> str:
-    """A time limit as sbatch's --time reads it and scontrol shows it: [days-]hours:minutes:seconds."""
+    """A time limit as sbatch's --time reads it and scontrol shows it: [days-]hours:minutes:seconds.
+    The pipeline's own copy of ``slurm.sacct.format_duration``: the two layers may not import each
+    other (pyproject's import contracts); above them, that one serves."""
     days, rest = divmod(int(seconds), 86400)
     text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
     return f"{days}-{text}" if days else text

@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 
 from slurmgpu.collector.oom import HOST_OOM_STATE
 from slurmgpu.pipeline.config import Config
-from slurmgpu.pipeline.request import format_time
 from slurmgpu.reporting import alerts
 from slurmgpu.reporting.alerts import AlertRow
 from slurmgpu.reporting.queries import IDLE_PEAK_MIB, IDLE_UTIL_PCT, JobUse
+from slurmgpu.slurm.sacct import format_duration
 
 DEFINITIONS = {
     "window": "jobs with GPUs whose end time falls in [since, until), UTC; running jobs are not counted yet",
@@ -144,7 +144,8 @@ def describe_change(original: Mapping[str, Any] | None, decision: Mapping[str, A
         if ch.get("partition"):
             parts.append(f"{where}partition {was.get('partition') or 'default'} -> {ch['partition']}")
         if isinstance(ch.get("time_limit_s"), int) and isinstance(was.get("time_limit_s"), int):
-            parts.append(f"{where}time limit {format_time(was['time_limit_s'])} -> {format_time(ch['time_limit_s'])}")
+            was_limit, now_limit = (format_duration(x["time_limit_s"]) for x in (was, ch))
+            parts.append(f"{where}time limit {was_limit} -> {now_limit}")
     return "; ".join(parts) or "changed"
 
 
