@@ -33,6 +33,8 @@ gpus_per_node = 4
     ("[policy]\nmin_gain = inf\n", "policy.min_gain: must be a finite number, got inf"),
     ("[policy]\nconfidence = 1\n", "policy.confidence: must be < 1, got 1"),
     ("[policy]\nconfidence = 0.5\n", "policy.confidence: must be > 0.5, got 0.5"),
+    ("[gpu_types.t4]\nmemory_gib = 16\nrelative_speed_fp32 = -0.1\n",
+     "gpu_types.t4.relative_speed_fp32: must be > 0, got -0.1"),
     ("oops = [\n", "invalid TOML"),
 ])
 def test_errors_name_the_key(tmp_path: Path, extra: str, fragment: str) -> None:
@@ -153,8 +155,29 @@ def test_config_init_writes_what_slurm_says_and_flags_what_it_does_not(tmp_path:
     assert {p.name: (p.gpu_types, p.gpus_per_node, p.nodes) for p in cfg.partitions.values()} == {
         "gpu": (("a100_80gb",), 8, 2), "small": (("t4", "v100"), 2, 1), "all": (("a100_80gb", "t4", "v100"), 8, 4)}
     assert cfg.gpu_types["a100_80gb"].memory_gib == 80 and cfg.gpu_types["t4"].memory_gib == 16
+    # the 32-bit column: TF32 on the A100, FP32 on the T4 (8.1 of 65 16-bit TFLOPS): half the T4's 16-bit speed
+    a100, t4 = cfg.gpu_types["a100_80gb"], cfg.gpu_types["t4"]
+    assert a100.speed(32) == a100.relative_speed and t4.speed(32) < t4.relative_speed * 0.6
+    assert t4.speed(16) == t4.relative_speed
     assert "# partition cpu: no typed GPUs" in text and "Nodes u1 offer GPUs without a type" in text
     assert "smallest variant (V100-16) is assumed" in text  # v100 alone does not say 16 or 32 GB
     unknown = config_text([NodeInfo("x1", ("gpu",), {"xpu9": 4})], None)
     with pytest.raises(ConfigError, match=r"gpu_types\.xpu9\.memory_gib.*must be > 0"):
         parse_config(tomllib.loads(unknown), "init.toml")  # no guessed memory: the admin must fill it in
+
+
+def test_a_32_bit_job_sees_each_cards_fp32_speed_where_the_admin_gives_one(tmp_path: Path) -> None:
+    """``relative_speed_fp32``: read for a job in 32-bit floats, ``relative_speed`` for any other and
+    where the key is absent; a MIG slice takes its card's times its share, like ``relative_speed``."""
+    p = tmp_path / "c.toml"
+    p.write_text(BASE.replace("memory_gib = 80", "memory_gib = 80\nrelative_speed_fp32 = 0.8")
+                 + "[gpu_types.v100]\nmemory_gib = 32\nrelative_speed = 0.45\n"
+                 + '[gpu_types.slice]\nmig_of = "a100"\ncompute_fraction = 0.5\nmemory_gib = 40\n')
+    cfg = load_config(p)
+    a100, v100, part = (cfg.gpu_types[n] for n in ("a100", "v100", "slice"))
+    assert (a100.speed(32), a100.speed(16), a100.speed(None)) == (0.8, 1.0, 1.0)
+    assert v100.speed(32) == v100.speed(16) == 0.45
+    assert part.speed(32) == pytest.approx(0.4) and part.speed(16) == pytest.approx(0.5)
+    assert cfg.at_precision(16) is cfg
+    assert {n: t.relative_speed for n, t in cfg.at_precision(32).gpu_types.items()} == pytest.approx(
+        {"a100": 0.8, "v100": 0.45, "slice": 0.4})

@@ -579,6 +579,38 @@ def test_a_slower_card_never_run_keeps_the_full_datasheet_ratio(config) -> None:
     assert table["v100"] >= table["a100"] * speed["a100"] / speed["v100"] * (1 - 1e-9)
 
 
+def test_a_32_bit_job_is_held_to_the_fp32_column_of_the_datasheet(config) -> None:
+    """``relative_speed_fp32``: a job without --fp16/--bf16 computes at a card's FP32 rate, by which a
+    T4 is a fifth of a V100 here, by the 16-bit column a third. A 32-bit family that ran on V100s and
+    A100s alone (input-bound: as fast on either) gets a T4 it never ran held to the ratio of its own
+    column: five times the V100's runtime, not three (the move's time-limit test and its gain read
+    that figure)."""
+    resnet = script_for("resnet", 16, 1000, "v100")
+    rows = []
+    for r in history(1500):
+        if r["script"]["family"] == script_features(resnet)["family"]:
+            if r["gpu_type"] == "t4":
+                continue
+            text = r["text"].replace(" --fp16", "")
+            r = {**r, "text": text, "script": script_features(text)}
+            if r["state"] == "COMPLETED":
+                steps, tokens = math.exp(r["script"]["log_steps"]), math.exp(r["script"]["log_tokens"])
+                r["elapsed"] = int(steps * tokens * 1.5e-6) + 30
+        rows.append(r)
+    job = resnet.replace(" --fp16", "").replace("#SBATCH -t", "#SBATCH -p gpu,gpu-small\n#SBATCH -t")
+    assert script_features(job)["precision_bits"] == 32
+    types = config.gpu_types
+    columns = config._replace(gpu_types={**types, "v100": types["v100"]._replace(fp32_speed=0.2),
+                                         "t4": types["t4"]._replace(fp32_speed=0.04)})
+    ratio = {}
+    for name, cfg in (("16-bit column", config), ("fp32 column", columns)):
+        d = decide(train.fit(rows, cfg, iterations=100)[0], cfg, job)
+        table = {c.gpu_type: c.pred_runtime_s for c in d.per_type if c.gpus == 1}
+        ratio[name] = table["t4"] / table["v100"]
+    assert ratio["fp32 column"] >= 5.0 * (1 - 1e-9)
+    assert ratio["16-bit column"] < 5.0 * 0.9  # the 16-bit column says less: the column read decides
+
+
 def test_sizes_of_one_architecture_are_ordered_by_what_their_names_say() -> None:
     """name_scale places siblings: depth from a CNN's name, a written parameter count, else the rank
     of a size word (two sizes must never share a place: the estimate would copy one to the other)."""

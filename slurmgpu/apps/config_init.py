@@ -91,7 +91,9 @@ def _card_lines(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
     if spec is None:
         return [f"memory_gib = 0  # review: {why}", "relative_speed = 1.0  # review", "cost = 1.0  # review"]
     return [f"memory_gib = {spec.memory_gib:g}  # review: {why}",
-            f"relative_speed = {relative_speed(spec):.3f}  # review", f"cost = {relative_cost(spec):.3f}  # review"]
+            f"relative_speed = {relative_speed(spec):.3f}  # review",
+            f"relative_speed_fp32 = {relative_speed(spec, 'fp32'):.3f}  # review",
+            f"cost = {relative_cost(spec):.3f}  # review"]
 
 
 def _shard_lines(gres_type: str, nodes: Sequence[NodeInfo]) -> list[str]:
@@ -112,6 +114,7 @@ def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluste
     out = ["# Written by `slurmgpu config init` from the live cluster. Lines marked 'review' are not",
            "# Slurm's: check them against your hardware, then run `slurmgpu config check`.",
            "# relative_speed: vs an A100-80 by tensor peak and memory bandwidth (datasheets);",
+           "# relative_speed_fp32: the same for a job in 32-bit floats (TF32 tensor peak, else FP32);",
            "# cost: half speed, half memory vs an A100-80. Put your own figures where you have them.", "",
            "[site]", f'cluster = "{cluster}"' if cluster else '# cluster = "..."  # ClusterName in slurm.conf', "",
            "[policy]", 'decider = "rules"', ""]

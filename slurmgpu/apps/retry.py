@@ -333,7 +333,7 @@ def model_fits(config: Config, bundle: Any, engine: Engine, cluster: str) -> Cal
         request = dict(row[1] or {}) if row else {}
 
         def fits(card: GpuType) -> bool:
-            gpu = card_features(card)
+            gpu = card_features(card, script.get("precision_bits"))
             asked = config.gpu_types.get(c.gpu_type)
             f = job_features(script, {**request, "req_gpu_mem_gib": asked.memory_gib if asked else 0.0}, gpu,
                              c.gpus, bundle.history)

@@ -209,7 +209,7 @@ def _throughput(decider: ModelDecider, sf: Mapping[str, Any], asked: tuple[str, 
     def relative(t: str) -> float | None:
         return math.exp(best - measured[t]) if t in measured else None
 
-    sheet = max(types, key=lambda t: decider.config.gpu_types[t].relative_speed)
+    sheet = max(types, key=lambda t: decider.config.gpu_types[t].speed(sf["precision_bits"]))
     return [(relative(decided), relative(sheet), relative(asked[0]))]
 
 

@@ -157,7 +157,7 @@ class _Running:
     def _family_view(s: Mapping[str, float]) -> dict[str, Any]:
         # Numbers, but for "shapes": the "<count>x<type>" shapes the family ran on (a list of str).
         n, m = s["n"], s["m"]
-        view = {"n": n, "oom_rate": s["oom"] / n, "params_b": s["params_b"], "scale": s["scale"],
+        view = {"n": n, "oom_rate": s["oom"] / n, "params_b": s["params_b"], "scale": s["scale"], "bits": s["bits"],
                 **{k: s[k] for k in ("params_m", "acts_m") if k in s},
                 "log_peak_mean": s["lpsum"] / m if m else 0.0, "zero_one_gpu": 1.0,
                 "shapes": sorted(k[len("shape:"):] for k in s if k.startswith("shape:")),
@@ -179,6 +179,7 @@ class _Running:
         s["n"] += 1
         s["params_b"] = float(row["script"]["params_b"])
         s["scale"] = size_scale(row["script"])
+        s["bits"] = float(row["script"]["precision_bits"])  # the cards' speeds its runs are read against
         counts = published_counts(row["script"])
         if counts is not None:
             s["params_m"], s["acts_m"] = counts
@@ -267,9 +268,9 @@ def _rate_spread(s: Mapping[str, float]) -> dict[str, float]:
     return {"rate_ss": ss, "rate_dof": dof}
 
 
-def _gpu(config: Config, name: str | None) -> dict[str, float]:
+def _gpu(config: Config, name: str | None, precision_bits: float | None = None) -> dict[str, float]:
     t = config.gpu_types.get(name or "")
-    return card_features(t) if t else {"memory_gib": 0.0, "relative_speed": 1.0}
+    return card_features(t, precision_bits) if t else {"memory_gib": 0.0, "relative_speed": 1.0}
 
 
 def ended_at(row: Mapping[str, Any]) -> datetime:
@@ -308,7 +309,7 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
     for seq, row in enumerate(rows):
         while ended and ended[0][0] <= row["submit"]:
             running.add(heapq.heappop(ended)[2])
-        gpu = _gpu(config, row["gpu_type"])
+        gpu = _gpu(config, row["gpu_type"], row["script"]["precision_bits"])
         history = running.now(row["script"])
         request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"],
                    "time_limit_s": written_limit(row, config, limits)}

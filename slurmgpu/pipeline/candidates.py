@@ -63,7 +63,8 @@ class CandidateTable:
 
         req_type, req_total = req.get("gpu_type"), int(req.get("gpus_total") or 0)
         array = array_tasks(req.get("array"))
-        rows = [job_features(sf, req, card_features(gt), c,
+        bits = sf["precision_bits"]  # the datasheet column its cards' speeds are read from (GpuType.speed)
+        rows = [job_features(sf, req, card_features(gt, bits), c,
                              self.bundle.history) for gt, c in shapes]
         preds = self.bundle.predict_many(rows, sf)
         # A type or count the family never ran on is a prediction from other families: doubt it more.
@@ -84,12 +85,12 @@ class CandidateTable:
                 # The family ran both shapes at one batch: its own measured speed ratio there,
                 # weighed against the datasheet's by how many runs it rests on and how widely they spread.
                 ratio, ratio_sd = self.runtime.weighed_ratio(fam, measured, gt, c, req_type, req_total,
-                                                             prior_exponent)
+                                                             prior_exponent, bits)
                 runtime = asked_pred.runtime_s * math.exp(ratio)
             elif known:
                 runtime = pred.runtime_s
             elif asked_pred is not None and c == req_total and req_type and \
-                    gt.relative_speed >= self.config.gpu_types[req_type].relative_speed:
+                    gt.speed(bits) >= self.config.gpu_types[req_type].speed(bits):
                 # A faster type the family never ran on: the datasheet's speed ratio over the runtime
                 # as asked, felt as strongly as the family (else its architecture, else the site) felt
                 # it between the types it did run on (a job bound by its input pipeline gains little
@@ -101,13 +102,13 @@ class CandidateTable:
                 if exponent is None:
                     exponent = self.runtime.speed_exponent(sf, req_total)
                 speeds = self.config.gpu_types
-                runtime = asked_pred.runtime_s * (speeds[req_type].relative_speed /
-                                                  max(gt.relative_speed, 1e-9)) ** exponent
+                runtime = asked_pred.runtime_s * (speeds[req_type].speed(bits) /
+                                                  max(gt.speed(bits), 1e-9)) ** exponent
             elif asked_pred is None or req_type is None:
                 runtime = pred.runtime_s * UNSEEN_PENALTY
             else:
                 runtime = self.runtime.plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
-                                                         gt.name, c, used)
+                                                         gt.name, c, used, bits)
             margin = self.memory.margin(known)
             asked_shape = c == req_total and (req_type is None or gt.name == req_type)
             table.append(Candidate(gt.name, c, self.memory.fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),

@@ -38,6 +38,16 @@ class GpuType(NamedTuple):
     mig_of: str | None = None
     compute_fraction: float = 1.0
     shards: int = 0  # gres "shard" units Slurm offers per card of this type (0: not shared)
+    # ``relative_speed_fp32``: the type's speed for a job that computes in 32-bit floats, where the
+    # datasheets' 32-bit figures (TF32 tensor where the card has it, else FP32) set the cards apart
+    # otherwise than the 16-bit tensor ones ``relative_speed`` comes from (a V100 has a tenth of an
+    # A100's TF32 rate, two fifths of its FP16 one); 0.0: unset, ``relative_speed`` stands.
+    fp32_speed: float = 0.0
+
+    def speed(self, precision_bits: float | None) -> float:
+        """The datasheet speed a job of this precision runs at: ``fp32_speed`` for a 32-bit job where
+        it is set, else ``relative_speed``."""
+        return self.fp32_speed if self.fp32_speed and (precision_bits or 0) >= 32 else self.relative_speed
 
     @property
     def is_slice(self) -> bool:
@@ -99,6 +109,12 @@ class Config(NamedTuple):
             if p.default:
                 return p.name
         return None
+
+    def at_precision(self, precision_bits: float | None) -> Config:
+        """The config as a job of this precision sees its cards: each type's ``relative_speed`` the
+        one it runs at (``GpuType.speed``). The decider's comparisons of cards by the datasheet read it."""
+        types = {n: t._replace(relative_speed=t.speed(precision_bits)) for n, t in self.gpu_types.items()}
+        return self if types == self.gpu_types else self._replace(gpu_types=types)
 
     def partitions_with(self, gpu_type: str) -> list[Partition]:
         return [p for p in self.partitions.values() if gpu_type in p.gpu_types]
@@ -269,11 +285,12 @@ def parse_config(raw: Mapping[str, Any], path: str = "<config>") -> Config:
             raise ConfigError(f"invalid GPU type name {name!r}", file=path, option="gpu_types")
         t = _Table(body, f"gpu_types.{name}", path)
         # 0.0: unset, which a slice reads from its card (_slice_checked)
-        unset = {key: t.number(key) if key in body else 0.0 for key in ("relative_speed", "cost")}
+        unset = {key: t.number(key) if key in body else 0.0
+                 for key in ("relative_speed", "cost", "relative_speed_fp32")}
         types[name] = GpuType(name, t.number("memory_gib"), unset["relative_speed"], unset["cost"],
                               t.names("features", []),
                               t.get("mig_of", str, None), t.number("compute_fraction", 1.0),
-                              t.get("shards", int, 0))
+                              t.get("shards", int, 0), unset["relative_speed_fp32"])
         t.done()
     if not types:
         raise ConfigError("no GPU types defined", file=path, option="gpu_types")
@@ -355,7 +372,8 @@ def _slice_checked(types: Mapping[str, GpuType], gt: GpuType, raw: Mapping[str, 
     speed = card.relative_speed or 1.0
     cost = card.cost or 1.0
     return gt._replace(relative_speed=gt.relative_speed or speed * gt.compute_fraction,
-                       cost=gt.cost or cost * gt.compute_fraction)
+                       cost=gt.cost or cost * gt.compute_fraction,
+                       fp32_speed=gt.fp32_speed or card.fp32_speed * gt.compute_fraction)
 
 
 def _modes(raw: dict[str, Any], default: str, path: str) -> Modes:

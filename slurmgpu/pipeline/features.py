@@ -462,9 +462,10 @@ def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_
                                                       1.0 if any(measured(s) for s in siblings) else 0.0)
 
 
-def card_features(gpu: GpuType) -> dict[str, float]:
-    """What ``job_features`` reads of a GPU type: its memory (GiB) and relative speed."""
-    return {"memory_gib": gpu.memory_gib, "relative_speed": gpu.relative_speed}
+def card_features(gpu: GpuType, precision_bits: float | None) -> dict[str, float]:
+    """What ``job_features`` reads of a GPU type: its memory (GiB) and the speed a job of this
+    precision runs at (``GpuType.speed``), the same in training and at submit time."""
+    return {"memory_gib": gpu.memory_gib, "relative_speed": gpu.speed(precision_bits)}
 
 
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],

@@ -79,7 +79,7 @@ class MemoryBound:
         (``Bundle.peak_estimate_mib``): what the bound the fit test reads (with ``margin``) stands on."""
         from slurmgpu.pipeline.features import card_features, job_features
 
-        f = job_features(sf, req, card_features(gt), gpus, self.bundle.history)
+        f = job_features(sf, req, card_features(gt, sf["precision_bits"]), gpus, self.bundle.history)
         return float(self.bundle.peak_estimate_mib(f, sf))
 
     def fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Row,
@@ -91,7 +91,7 @@ class MemoryBound:
         from slurmgpu.pipeline.features import card_features, command_lines, job_features, main_command, option_values
 
         gt = self.config.gpu_types[baseline.gpu_type]
-        gpu = card_features(gt)
+        gpu = card_features(gt, sf["precision_bits"])
         hints: list[str] = []
 
         def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:

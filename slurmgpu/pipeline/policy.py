@@ -331,6 +331,7 @@ class ModelDecider:
         sf = script_features(request.script.text)
         fam_n = self.bundle.history.family(sf["family"]).get("n", 0)
         policy = self.config.policy
+        cfg = self.config.at_precision(sf["precision_bits"])  # its cards' speeds, as this job runs at them
         target = rule.changes[0].partition if rule.changes else None
         parts = [target] if target else (comp.partitions or [self.config.default_partition or ""])
         offered = [p for p in (self.config.partitions.get(n) for n in parts) if p]
@@ -399,11 +400,11 @@ class ModelDecider:
             # Its predictions are not trusted, but a card with at least the memory and the datasheet
             # speed of the one asked, as many of them, holds whatever the request holds and runs it
             # no slower: such a move needs no prediction of the job's own peak.
-            asked_gt = self.config.gpu_types[req_type or ""]
+            asked_gt = cfg.gpu_types[req_type or ""]
             enough: list[Candidate | None] = [
                 c for c in table if c.gpus == req_total and c.gpu_type != req_type
-                and self.config.gpu_types[c.gpu_type].memory_gib >= asked_gt.memory_gib
-                and self.config.gpu_types[c.gpu_type].relative_speed >= asked_gt.relative_speed]
+                and cfg.gpu_types[c.gpu_type].memory_gib >= asked_gt.memory_gib
+                and cfg.gpu_types[c.gpu_type].relative_speed >= asked_gt.relative_speed]
         else:
             enough = [fewest_fitting(self.config, c, table) for c in table if c.fits and c.gpus == req_total]
         limits: dict[tuple[str, int], int] = {}  # shape -> the longer time limit its move takes
@@ -417,13 +418,13 @@ class ModelDecider:
 
         def timely(c: Candidate) -> bool:
             """Whether C finishes within the job's time limit, or within a longer one (limits)."""
-            if in_time_limit(self.config, self.bundle, c, baseline, limit_of(c)):
+            if in_time_limit(cfg, self.bundle, c, baseline, limit_of(c)):
                 return True
             longer = longer_limit(comp.time_limit_s, c, baseline) if policy.lengthen_time_limit else None
             part = home(c)
             if longer is None or part is None or self.admits is None or \
                     self.admits(part, comp._replace(time_limit_s=longer)) is not None or \
-                    not in_time_limit(self.config, self.bundle, c, baseline, longer):
+                    not in_time_limit(cfg, self.bundle, c, baseline, longer):
                 return False
             limits[(c.gpu_type, c.gpus)] = longer
             return True
@@ -441,7 +442,7 @@ class ModelDecider:
             ``min_gain`` is not worth the memory bound's own risk on a smaller card, nor the time
             limit's on a slower one (the scenario, seed 1 at load 0.6: mean JCT 2.41 h with this,
             2.75 h with confident moves onto slower cards)."""
-            types = self.config.gpu_types
+            types = cfg.gpu_types
             if c is None or same_shape(c, baseline) or policy.objective != "fastest" or c.expected_wait_s > \
                     baseline.expected_wait_s or types[c.gpu_type].memory_gib < types[baseline.gpu_type].memory_gib \
                     or types[c.gpu_type].relative_speed < types[baseline.gpu_type].relative_speed:
@@ -450,10 +451,10 @@ class ModelDecider:
             return p if p is not None and p >= policy.confidence else None
 
         # a choice whose score is unbounded (cheapest: too slow to count) gains nothing
-        choices = [c for c in in_time if (clear_gain(self.config, c, baseline) or sure(c))
+        choices = [c for c in in_time if (clear_gain(cfg, c, baseline) or sure(c))
                    and math.isfinite(rank(c))]
         risky = min((c for c in in_time if c not in choices), key=rank, default=None)
-        best = prior_ranked(self.config, min(choices, key=rank, default=None), baseline, choices, rank)
+        best = prior_ranked(cfg, min(choices, key=rank, default=None), baseline, choices, rank)
         gain = 1.0 - rank(best) / rank(baseline) if best is not None else 0.0
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
         if new_family:
@@ -503,7 +504,7 @@ class ModelDecider:
                           and types[c.gpu_type].memory_gib > types[baseline.gpu_type].memory_gib
                           and c.pred_peak_mem_mib * plain <= types[c.gpu_type].memory_gib * 1024
                           and _done(c) < _done(best) and home(c) is not None
-                          and in_time_limit(self.config, self.bundle, c, baseline, limit_of(c))),
+                          and in_time_limit(cfg, self.bundle, c, baseline, limit_of(c))),
                          key=_done, default=None) if _done(best) > LATE_FIT * _done(baseline) else None
             if nearer is not None:
                 late = (f"; {best.gpus} x {best.gpu_type}, which holds it with the {best.margin:.0%} margin, is "
@@ -539,7 +540,7 @@ class ModelDecider:
         if freed:
             why = f"model: {best.gpus} x {best.gpu_type} of the {req_total} asked, {times}"
         elif new_family:
-            asked_gt, best_gt = self.config.gpu_types[baseline.gpu_type], self.config.gpu_types[best.gpu_type]
+            asked_gt, best_gt = cfg.gpu_types[baseline.gpu_type], cfg.gpu_types[best.gpu_type]
             why = (f"{too_new}: only a card at least as large and fast as asked; {best.gpus} x {best.gpu_type} "
                    f"({best_gt.memory_gib:g} GiB, speed {best_gt.relative_speed:g} vs {asked_gt.memory_gib:g} GiB, "
                    f"{asked_gt.relative_speed:g}) {finish}")

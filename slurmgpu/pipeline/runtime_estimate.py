@@ -34,7 +34,8 @@ SITE_SPREAD_DOF = 5.0
 # Per bundle: the site's pooled spread of log speed, and its pooled speed slope by the datasheet
 # speeds it was computed with (the daemon decides many jobs with one bundle).
 _SITE_SPREADS: weakref.WeakKeyDictionary[Any, float | None] = weakref.WeakKeyDictionary()
-_SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[str, float], ...], float]] = weakref.WeakKeyDictionary()
+Speeds = tuple[tuple[str, float, float], ...]  # (type, relative_speed, fp32_speed) of every type, sorted
+_SITE_SLOPES: weakref.WeakKeyDictionary[Any, dict[Speeds, float]] = weakref.WeakKeyDictionary()
 
 
 class RuntimeEstimate:
@@ -44,14 +45,15 @@ class RuntimeEstimate:
         self.config, self.bundle = config, bundle
 
     def weighed_ratio(self, fam: Mapping[str, Any], measured: tuple[float, float | None], gt: GpuType, gpus: int,
-                      req_type: str | None, req_total: int, exponent: Callable[[], float]
-                      ) -> tuple[float, float | None]:
+                      req_type: str | None, req_total: int, exponent: Callable[[], float],
+                      precision_bits: float | None = None) -> tuple[float, float | None]:
         """A type's measured log time ratio over the asked one, shrunk toward the datasheet's (at
         ``exponent()``, the architecture's or site's speed exponent, never the family's own runs):
         precision-weighted, the measurement's variance the family's spread
         of log speed (``rate_variance``) over the runs on each side, the prior's ``PRIOR_RATIO_SD``.
         Where work is hidden from the script a ratio of a few runs says little and the datasheet
-        decides; runs of known work agree closely and decide for themselves. With it, the weighed
+        decides; runs of known work agree closely and decide for themselves (the datasheet's speeds
+        those a job of PRECISION_BITS runs at, ``GpuType.speed``). With it, the weighed
         figure's standard deviation (how sure a move on it is). A count change, or a bundle without
         run counts, keeps the measured ratio, with no deviation."""
         ratio, weight = measured
@@ -62,7 +64,7 @@ class RuntimeEstimate:
             return ratio, None
         speeds = self.config.gpu_types
         prior = exponent() * math.log(
-            max(speeds[req_type].relative_speed, 1e-9) / max(gt.relative_speed, 1e-9))
+            max(speeds[req_type].speed(precision_bits), 1e-9) / max(gt.speed(precision_bits), 1e-9))
         w_measured, w_prior = 1.0 / (variance * weight), 1.0 / PRIOR_RATIO_SD ** 2
         return (w_measured * ratio + w_prior * prior) / (w_measured + w_prior), (w_measured + w_prior) ** -0.5
 
@@ -103,7 +105,7 @@ class RuntimeEstimate:
         """The speed slope of all families at every count (each its own intercept), in [0, ``MAX_SLOPE``]:
         the prior for a family that ran on too few types to say (1, the datasheet, without any).
         Computed once per bundle and set of datasheet speeds (the daemon decides many jobs)."""
-        speeds = tuple(sorted((name, t.relative_speed) for name, t in self.config.gpu_types.items()))
+        speeds = tuple(sorted((name, t.relative_speed, t.fp32_speed) for name, t in self.config.gpu_types.items()))
         known = _SITE_SLOPES.setdefault(self.bundle, {})
         if speeds not in known:
             counts = {fam_key: {k[len(RATE):].split("x", 1)[0] for k in fam if k.startswith(RATE)}
@@ -119,14 +121,14 @@ class RuntimeEstimate:
         return speed_points(self.config, fam, gpus, self.rate_variance(fam))
 
     def plausible_runtime(self, model_s: float, asked_s: float, asked_type: str, asked_gpus: int,
-                          gpu_type: str, gpus: int, used: int) -> float:
+                          gpu_type: str, gpus: int, used: int, precision_bits: float | None = None) -> float:
         """Runtime on a shape the family never ran on, held to the hardware: scaled from the
         family's own requested shape by the config's relative speed and by the GPUs the launch
         uses (``used``), the model's figure kept only where it is more cautious. A card or count
         faster on paper is never predicted slower than the request, a slower one never faster
         than its speed ratio says (issue: no faster card predicted slower without evidence)."""
         speed = self.config.gpu_types
-        scale = (speed[asked_type].relative_speed / max(speed[gpu_type].relative_speed, 1e-9)
+        scale = (speed[asked_type].speed(precision_bits) / max(speed[gpu_type].speed(precision_bits), 1e-9)
                  * min(asked_gpus, used) / max(min(gpus, used), 1))
         prior = asked_s * scale
         if scale <= 1.0:
@@ -168,13 +170,15 @@ def speed_points(config: Config, fam: Mapping[str, Any], gpus: int, variance: fl
     """(log relative speed, log batch tokens, log speed, weight) of each batch the family ran on GPUS
     of a type: the weight is the point's precision, its runs (``rate_n:``, 1 where not counted) over
     VARIANCE, one run's variance of log speed (1 where not known). Where the work is hidden from the
-    script a mean of a few runs is as wide as the work's spread and must not pass for the card's speed."""
+    script a mean of a few runs is as wide as the work's spread and must not pass for the card's speed.
+    The speed is the one the family's precision runs at (``bits``, ``GpuType.speed``): a site's slope
+    pools families of every precision, each against its own column of the datasheet."""
     points = []
     for name, t in config.gpu_types.items():
         at = f"{RATE}{gpus}x{name}@"
         for key, v in keys_at(fam, at):
             runs = float(fam.get(RATE_N + key[len(RATE):]) or 1.0)
-            points.append((math.log(max(t.relative_speed, 1e-9)), math.log(max(float(key[len(at):]), 1.0)),
+            points.append((math.log(max(t.speed(fam.get("bits")), 1e-9)), math.log(max(float(key[len(at):]), 1.0)),
                            -float(v), runs / (variance or 1.0)))
     return points
 

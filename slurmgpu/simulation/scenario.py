@@ -153,7 +153,7 @@ def scenario_config(cluster: ClusterSpec) -> Config:
         for pool in part.pools:
             spec = cat.gpu_types[pool.gpu_type]
             types[pool.gres] = GpuType(pool.gres, spec.memory_gib, round(relative_speed(spec), 3),
-                                       round(relative_cost(spec), 3))
+                                       round(relative_cost(spec), 3), fp32_speed=round(relative_speed(spec, "fp32"), 3))
     parts = {p.name: Partition(p.name, tuple(pool.gres for pool in p.pools),
                                max(pool.gpus_per_node for pool in p.pools),
                                len({h for pool in p.pools for h in pool.hosts}), p.default)

@@ -163,11 +163,14 @@ def load_catalog() -> Catalog:
 REFERENCE_GPU = "A100-80"  # relative speed and cost 1
 
 
-def relative_speed(spec: GpuSpec) -> float:
-    """Geometric mean of sustained 16-bit tensor peak and memory bandwidth, relative to the
-    reference card: training steps are bound by one or the other (the workload model's roofline)."""
+def relative_speed(spec: GpuSpec, precision: str = "fp16") -> float:
+    """Geometric mean of the sustained peak a job in PRECISION runs at and memory bandwidth, relative
+    to the reference card's: training steps are bound by one or the other (the workload model's
+    roofline). 16-bit: the tensor peak. fp32: the TF32 tensor peak where the card has one (PyTorch's
+    default for convolutions), else FP32; for FP32 matrix products it overstates an Ampere or later
+    card's lead over an older one, which errs toward keeping a job off the older, slower card."""
     ref = load_catalog().gpu_types[REFERENCE_GPU]
-    return math.sqrt(spec.fp16_tflops * spec.sustained / (ref.fp16_tflops * ref.sustained)
+    return math.sqrt(spec.peak_tflops(precision, conv=True) / ref.peak_tflops(precision, conv=True)
                      * spec.mem_bw_gbs / ref.mem_bw_gbs)
 
 
