@@ -34,8 +34,8 @@ The policies:
   request and runs out of memory under every policy (reported as ``unfittable``).
 
 The decider's config (``scenario_config``) describes the scenario cluster with GPU types named as
-in gres.conf, memory from the catalog, and relative speed and cost derived from it (see
-``relative_speed`` and ``relative_cost``).
+in gres.conf, memory from the catalog, and relative speed (16-bit and 32-bit) and cost derived from it
+(see ``relative_speed`` and ``relative_cost``).
 """
 
 from __future__ import annotations
