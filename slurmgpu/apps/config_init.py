@@ -114,7 +114,7 @@ def config_text(nodes: Sequence[NodeInfo], default_partition: str | None, cluste
     out = ["# Written by `slurmgpu config init` from the live cluster. Lines marked 'review' are not",
            "# Slurm's: check them against your hardware, then run `slurmgpu config check`.",
            "# relative_speed: vs an A100-80 by tensor peak and memory bandwidth (datasheets);",
-           "# relative_speed_fp32: the same for a job in 32-bit floats (TF32 tensor peak, else FP32);",
+           "# relative_speed_fp32: the same for a job in 32-bit floats (TF32 where the card has it, else FP32);",
            "# cost: half speed, half memory vs an A100-80. Put your own figures where you have them.", "",
            "[site]", f'cluster = "{cluster}"' if cluster else '# cluster = "..."  # ClusterName in slurm.conf', "",
            "[policy]", 'decider = "rules"', ""]
