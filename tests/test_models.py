@@ -305,6 +305,24 @@ def test_a_history_without_gpu_memory_trains_and_places_no_job_where_it_does_not
     assert moved >= 3  # it still helps: small jobs leave the busy A100s
 
 
+def test_without_gpu_memory_a_card_at_least_as_large_holds_what_the_asked_one_holds(config) -> None:
+    """A history of outcomes alone, and a batch twice the largest the family ever ran: no outcome
+    says which card holds it, and the asked V100 passes the fit test on the estimate alone. The
+    A100 at the same count has more memory: it holds whatever the V100 holds, so it fits as well
+    (before, only the asked card did, and a job that the asked card could not hold stayed there);
+    the smaller T4 still needs an outcome."""
+    blind = [{**r, "peak": None} for r in history(2000)]
+    bundle, _ = train.fit(blind, config, quantile=0.995, iterations=200)
+    assert bundle.memory_source == "outcomes"
+    text = script_for("resnet", 128, 1000, "v100").replace("#SBATCH -t", "#SBATCH -p gpu,gpu-small\n#SBATCH -t")
+    sf = script_features(text)
+    assert bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], 1) is None  # no outcome at this batch
+    rows = {c.gpu_type: c for c in decide(bundle, config, text, free={"a100": 4, "v100": 4, "t4": 4}).per_type
+            if c.gpus == 1}
+    assert rows["v100"].fits and rows["a100"].fits and not rows["t4"].fits, rows
+    assert rows["t4"].pred_peak_mem_mib * (1 + rows["t4"].margin) <= 16 * 1024  # on the estimate alone it would
+
+
 def test_a_bf16_job_is_never_moved_to_a_card_without_bf16(trained, config) -> None:
     """bert and llama train with --bf16: with every A100 busy, V100 and T4 (no bf16) are not offered."""
     for family in ("bert", "llama"):

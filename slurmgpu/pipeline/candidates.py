@@ -110,8 +110,11 @@ class CandidateTable:
                 runtime = self.runtime.plausible_runtime(pred.runtime_s, asked_pred.runtime_s, req_type, req_total,
                                                          gt.name, c, used, bits)
             margin = self.memory.margin(known)
-            asked_shape = c == req_total and (req_type is None or gt.name == req_type)
-            table.append(Candidate(gt.name, c, self.memory.fits(pred.peak_mem_mib, margin, gt, sf, c, asked_shape),
+            # the asked shape, or a card at least as large at its count: it holds what the asked one holds
+            asked_gib = gt.memory_gib if req_type is None or gt.name == req_type else \
+                self.config.gpu_types[req_type].memory_gib
+            within = asked_gib if c == req_total and gt.memory_gib >= asked_gib else None
+            table.append(Candidate(gt.name, c, self.memory.fits(pred.peak_mem_mib, margin, gt, sf, c, within),
                                    pred.peak_mem_mib, runtime, self.expected_wait(gt.name, c, free, runtime, array),
                                    margin, runtime_margin, ratio_sd))
         if busy is not None:

@@ -49,19 +49,24 @@ class MemoryBound:
         return (1 + self.config.policy.memory_margin) * (1.0 if known else UNSEEN_PENALTY) - 1
 
     def fits(self, peak_mib: float, margin: float, gt: GpuType, sf: Mapping[str, Any], gpus: int,
-             asked_shape: bool) -> bool:
+             asked_gib: float | None) -> bool:
         """The table's fit test for one shape: the predicted peak with its margin within the card, or
         a card the family's outcomes show it holds on (a run with at least these tokens per GPU
         ended well on a card that size, on as many GPUs or fewer: evidence beats a prediction,
         which a wide margin can push past a card the family completes on). Where the bundle has no
-        measured peaks, only the outcomes count (and the request itself, where the estimate allows)."""
+        measured peaks, only the outcomes count, and the request itself where the estimate fits the
+        card asked (ASKED_GIB, given for the asked shape and for any card at least as large at its
+        count: such a card holds whatever the asked one holds; in the decision benchmark a ResNet-50
+        job at batch 128 was kept on the 12 GiB K80 it asked for, whose outcomes at that batch were
+        none, as were the 16 GiB cards', and ran out of memory there)."""
         fits = peak_mib * (1 + margin) <= gt.memory_gib * 1024
         outcomes_only = getattr(self.bundle, "memory_source", "telemetry") == "outcomes"
         if fits and not outcomes_only:  # the family's outcomes are read only where they can decide
             return True
         held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
         by_outcome = held is not None and held <= gt.memory_gib
-        return (by_outcome or (asked_shape and fits)) if outcomes_only else by_outcome
+        as_asked = asked_gib is not None and peak_mib * (1 + margin) <= asked_gib * 1024
+        return (by_outcome or as_asked) if outcomes_only else by_outcome
 
     def fit_words(self, c: Row, sf: Mapping[str, Any], asked_gpus: int) -> str:
         """Why a fitting choice fits, in the reason: its predicted peak, or the family's outcomes
@@ -105,7 +110,7 @@ class MemoryBound:
             def at(b: int) -> tuple[bool, float]:
                 feats = {**sf, "batch_size": float(b), "log_tokens": log_size(b * float(sf["seq_len"]))}
                 p, margin = peak(feats, baseline.gpus)
-                return self.fits(p, margin, gt, feats, baseline.gpus, True), p
+                return self.fits(p, margin, gt, feats, baseline.gpus, gt.memory_gib), p
 
             ok, low_peak = at(1)
             if ok:  # the prediction grows with the batch (near enough): the largest batch that still fits
@@ -131,7 +136,7 @@ class MemoryBound:
             most = max((p.gpus_per_node for p in offered if gt.name in p.gpu_types), default=0)
             for k in range(baseline.gpus + 1, most + 1):
                 p, margin = peak(sf, k)
-                if self.fits(p, margin, gt, sf, k, False):
+                if self.fits(p, margin, gt, sf, k, None):
                     shown = f"predicted peak {p / 1024:.1f} GiB per GPU" if by_prediction(p, margin, gt.memory_gib) \
                         else fit_evidence(p, margin, gt.memory_gib)
                     holds.append(f"{k} x {gt.name} with ZeRO sharding ({shown})")
