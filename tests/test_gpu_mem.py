@@ -121,6 +121,21 @@ def test_the_objective_chooses_among_the_types_that_hold_it(objective: str, gtyp
     assert p.decision.changes[0].gpu_type == gtype and f"chosen ({objective}" in p.decision.reasons[0]
 
 
+def test_fastest_reads_the_speed_of_the_jobs_precision() -> None:
+    """An admin's l40s beside the a100: slower for 16-bit jobs, faster for 32-bit ones
+    (``relative_speed_fp32``). Under ``fastest`` a --fp16 job gets the a100, a plain one the l40s."""
+    from slurmgpu.pipeline.config import GpuType
+
+    gpu = CONFIG.partitions["gpu"]
+    config = CONFIG._replace(gpu_types={**CONFIG.gpu_types, "l40s": GpuType("l40s", 48, 0.7, 1.0, fp32_speed=1.5)},
+                             partitions={**CONFIG.partitions, "gpu": gpu._replace(gpu_types=(*gpu.gpu_types, "l40s"))},
+                             policy=CONFIG.policy._replace(objective="fastest"))
+    for flag, gtype in (("", "l40s"), (" --fp16", "a100")):
+        text = job("#SBATCH --gres=gpu:1").replace("train.py", "train.py" + flag)
+        p = plan_of(text, gpu_mem="24G", decider=RuleDecider(config))
+        assert p.decision.changes[0].gpu_type == gtype, (flag, p.decision.reasons)
+
+
 def test_a_job_without_gpus_gets_one() -> None:
     p = plan_of(job("#SBATCH -J nogpu", "#SBATCH --gres=tmpfs:10G"), gpu_mem="30G")
     assert "#SBATCH --gres=tmpfs:10G,gpu:v100:1\n" in (p.submission.script_text or "")

@@ -86,6 +86,9 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
         return refuse("not for heterogeneous jobs; write the GPU type in each component")
     if comp.rewrite_blocker:
         return refuse(f"the GPU request cannot be rewritten ({comp.rewrite_blocker})")
+    if request.script is not None:  # the cards' speeds as this job runs at them (``relative_speed_fp32``)
+        from slurmgpu.pipeline.features import script_features
+        config = config.at_precision(script_features(request.script.text)["precision_bits"])
     types = config.gpu_types
     largest = max(types.values(), key=lambda t: t.memory_gib)
     if largest.memory_gib < ask.gib:
