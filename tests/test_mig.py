@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import re
 import subprocess
+import tomllib
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -180,6 +181,20 @@ def test_a_light_job_moves_to_the_smallest_slice_with_its_numbers(light, config)
     assert f"this family's {runs} runs on 1 x a100 (speed 1) kept it at most {util:.0f}% busy" in why, why
     assert f"{SLICE} is a MIG slice (0.143 of a100, speed {config.gpu_types[SLICE].relative_speed:g})" in why
     assert row.pred_runtime_s == next(c for c in d.per_type if c.gpu_type == "a100").pred_runtime_s
+
+
+def test_a_32_bit_jobs_slice_evidence_shows_the_speeds_of_its_precision(config) -> None:
+    """With ``relative_speed_fp32`` given (0.8 for the a100; its slices take their share of it), the
+    32-bit light job's reason shows the speeds it was judged by: the fp32 ones."""
+    assert script_features(light_script())["precision_bits"] == 32
+    fp32 = parse_config(tomllib.loads(SAMPLE.read_text().replace(
+        "relative_speed = 1.0\n", "relative_speed = 1.0\nrelative_speed_fp32 = 0.8\n", 1)), "fp32.toml")
+    fp32 = fp32._replace(policy=config.policy)
+    assert fp32.gpu_types[SLICE].speed(32) == pytest.approx(0.8 / 7, rel=0.01)
+    d = decide(_fit(fp32, 9.0), fp32, light_script())
+    assert d.changed and d.changes[0].gpu_type == SLICE, d.reasons
+    assert f"(0.143 of a100, speed {fp32.gpu_types[SLICE].speed(32):g})" in d.reasons[-1], d.reasons
+    assert "on 1 x a100 (speed 0.8)" in d.reasons[-1], d.reasons
 
 
 @pytest.mark.parametrize(("what", "text"), [

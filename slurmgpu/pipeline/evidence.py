@@ -39,8 +39,9 @@ class FamilyEvidence:
         kept it busy no more of the time than the slice's share of that card's speed: a kernel
         running ``u`` of the time on a card of speed ``s`` runs at most ``u * s / slice speed`` of
         the time on the slice, so the job's wall time stays that of the card. The memory test is
-        the table's, on the prediction alone (pipeline/candidates.py ``CandidateTable.on_slices``)."""
-        comp, types = request.main, self.config.gpu_types
+        the table's, on the prediction alone (pipeline/candidates.py ``CandidateTable.on_slices``). The
+        speeds are those of the job's precision (``Config.at_precision``)."""
+        comp, types = request.main, self.config.at_precision(sf["precision_bits"]).gpu_types
         slice_types = [t for p in offered for t in p.gpu_types if types[t].is_slice]
         asked = types.get(comp.gpu_type or "")
         if not slice_types or asked is None or asked.is_slice or self.config.policy.objective == "fastest" \
