@@ -113,8 +113,10 @@ class Config(NamedTuple):
     def at_precision(self, precision_bits: float | None) -> Config:
         """The config as a job of this precision sees its cards: each type's ``relative_speed`` the
         one it runs at (``GpuType.speed``). The decider's comparisons of cards by the datasheet read it."""
-        types = {n: t._replace(relative_speed=t.speed(precision_bits)) for n, t in self.gpu_types.items()}
-        return self if types == self.gpu_types else self._replace(gpu_types=types)
+        if (precision_bits or 0) < 32 or not any(t.fp32_speed for t in self.gpu_types.values()):
+            return self  # every decision asks: the common case builds nothing
+        return self._replace(gpu_types={n: t._replace(relative_speed=t.speed(precision_bits))
+                                        for n, t in self.gpu_types.items()})
 
     def partitions_with(self, gpu_type: str) -> list[Partition]:
         return [p for p in self.partitions.values() if gpu_type in p.gpu_types]
