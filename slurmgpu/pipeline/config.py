@@ -110,10 +110,16 @@ class Config(NamedTuple):
                 return p.name
         return None
 
+    @property
+    def by_precision(self) -> bool:
+        """Whether a card's speed depends on the job's precision (a type gives ``relative_speed_fp32``):
+        else nothing need read the job's precision for its cards' speeds."""
+        return any(t.fp32_speed for t in self.gpu_types.values())
+
     def at_precision(self, precision_bits: float | None) -> Config:
         """The config as a job of this precision sees its cards: each type's ``relative_speed`` the
         one it runs at (``GpuType.speed``). The decider's comparisons of cards by the datasheet read it."""
-        if (precision_bits or 0) < 32 or not any(t.fp32_speed for t in self.gpu_types.values()):
+        if (precision_bits or 0) < 32 or not self.by_precision:
             return self  # every decision asks: the common case builds nothing
         return self._replace(gpu_types={n: t._replace(relative_speed=t.speed(precision_bits))
                                         for n, t in self.gpu_types.items()})

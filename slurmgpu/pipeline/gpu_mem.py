@@ -86,7 +86,7 @@ def _gpu_mem(decider: Decider, config: Config, request: JobRequest, ask: GpuMemA
         return refuse("not for heterogeneous jobs; write the GPU type in each component")
     if comp.rewrite_blocker:
         return refuse(f"the GPU request cannot be rewritten ({comp.rewrite_blocker})")
-    if request.script is not None:  # the cards' speeds as this job runs at them (``relative_speed_fp32``)
+    if request.script is not None and config.by_precision:  # the cards' speeds as this job runs at them
         from slurmgpu.pipeline.features import script_features
         config = config.at_precision(script_features(request.script.text)["precision_bits"])
     types = config.gpu_types
