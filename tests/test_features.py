@@ -6,7 +6,18 @@ import math
 
 import pytest
 
-from slurmgpu.pipeline.features import HELD, RATE, HistoryStats, family_key, keys_at, model_size_b, script_features
+from slurmgpu.pipeline.features import (
+    HELD,
+    RATE,
+    SITE_LINE_MIN,
+    CountsLine,
+    HistoryStats,
+    counts_line,
+    family_key,
+    keys_at,
+    model_size_b,
+    script_features,
+)
 
 RESNET = "python train.py --arch {arch} --batch-size {batch} --lr {lr} --data /scratch/{user}/imagenet"
 LLAMA = "torchrun --nproc_per_node={n} sft.py --model_name_or_path {path} --per_device_train_batch_size {b}"
@@ -104,3 +115,18 @@ def test_the_work_a_script_shows(args: str, steps: int, shown: int) -> None:
     (``work_shown`` 0: the learning side then counts timed-out runs in the family's speed)."""
     sf = script_features(f"#!/bin/bash\npython train.py --model resnet50 {args}\n")
     assert sf["log_steps"] == pytest.approx(math.log(steps)) and sf["work_shown"] == shown
+
+
+def test_the_sites_counts_line_is_read_from_its_whole_history_at_the_jobs_precision() -> None:
+    """Families whose fitted lines follow a = 900 + 16 x params, b = 3 x activations (one off by
+    100x, a degenerate line) give that line back: the fixed part by least squares, the cost per
+    activation by the median (the outlier moves it not at all). Another precision has its own
+    (none here); a training row's partial view, and fewer than SITE_LINE_MIN families, have none."""
+    fams = {f"m{i}": {"bits": 32.0, "params_m": 5.0 * (i + 1), "acts_m": 2.0 + i, "a": 900.0 + 16 * 5.0 * (i + 1),
+                      "b": 3.0 * (2.0 + i) * (100.0 if i == 0 else 1.0)} for i in range(SITE_LINE_MIN + 2)}
+    line = HistoryStats(fams, whole=True).counts_line(32.0)
+    assert line == pytest.approx(CountsLine(900.0, 16.0, 3.0))
+    assert HistoryStats(fams, whole=True).counts_line(16.0) is None
+    assert HistoryStats(fams).counts_line(32.0) is None
+    few = dict(list(fams.items())[:SITE_LINE_MIN - 1])
+    assert counts_line(few.values(), 32.0) is None and counts_line(fams.values(), 32.0) == line

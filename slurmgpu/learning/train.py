@@ -28,6 +28,7 @@ from slurmgpu.pipeline.bundle import (
     memory_base_mib,
     memory_stratum,
     one_gpu_base,
+    site_base_mib,
     zero_shift_mib,
 )
 from slurmgpu.pipeline.config import Config
@@ -40,10 +41,13 @@ from slurmgpu.pipeline.features import (
     RATE_N,
     RUNS,
     SCRIPT_NUMERIC,
+    SITE_KIND,
     UTIL,
     UTIL_RUNS,
+    CountsLine,
     HistoryStats,
     card_features,
+    counts_line,
     job_features,
     log_rate,
     published_counts,
@@ -146,7 +150,7 @@ class _Running:
         self.archs: dict[str, list[str]] = {}  # architecture -> its families, in order first seen
 
     def snapshot(self) -> HistoryStats:
-        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()}, self.archs)
+        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()}, self.archs, whole=True)
 
     def now(self, script: Mapping[str, Any]) -> HistoryStats:
         """The statistics a job's features read (its family and its architecture's), as of now."""
@@ -370,6 +374,10 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         for k, held_out in _size_gaps(mem, snapshot).items():
             if k not in offsets and len(held_out) >= MIN_STRATUM:
                 offsets[k] = _upper(min(quantile, SIZE_QUANTILE), held_out)
+        # Architectures never run, by the site's published-counts line: likewise, each left out.
+        unseen = _arch_gaps(mem, snapshot)
+        if len(unseen) >= MIN_STRATUM:
+            offsets[f"{int(SITE_KIND)}"] = _upper(min(quantile, SIZE_QUANTILE), unseen)
         # A stratum with too few jobs to measure its quantile takes the trees and the largest margin.
         pooled = _upper(quantile, [g for k, (with_trees, _) in gaps.items() if not k.endswith(":tight")
                                    for g in with_trees])
@@ -483,6 +491,27 @@ def _size_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> dict[str, l
             stratum = memory_stratum([*e["x"][:_BASE_KIND], kind, *e["x"][_BASE_KIND + 1:]])
             for key in (stratum, f"{stratum}@{script['arch']}"):  # all architectures, and this one's own
                 gaps.setdefault(key, []).append(math.log(e["peak"] / estimate))
+    return gaps
+
+
+def _arch_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> list[float]:
+    """Log(peak / estimate) of every measured job of a model with published counts, estimated by the
+    site's line (``features.counts_line``) of the other architectures (jackknife over
+    architectures: the line its own sizes helped draw would flatter it)."""
+    lines: dict[tuple[str, float], CountsLine | None] = {}
+    gaps = []
+    for e in mem:
+        script = e["script"]
+        if published_counts(script) is None:
+            continue
+        arch, bits = script.get("arch"), float(script["precision_bits"])
+        own = {script["family"], *snapshot.archs.get(arch or "", ())}
+        key = (arch or script["family"], bits)
+        if key not in lines:
+            lines[key] = counts_line((fam for k, fam in snapshot.families.items() if k not in own), bits)
+        estimate = site_base_mib(dict(zip(NUMERIC, e["x"], strict=True)), script, lines[key])
+        if estimate:
+            gaps.append(math.log(e["peak"] / estimate))
     return gaps
 
 

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 from slurmgpu.pipeline.features import (
     NUMERIC,
     RATE,
+    SITE_KIND,
+    CountsLine,
     HistoryStats,
     hexdigest,
     linear_fits,
@@ -364,11 +366,24 @@ def memory_stratum(x: Sequence[float], fam: Mapping[str, float] | None = None) -
     return stratum
 
 
+def site_base_mib(f: Mapping[str, float], script: Mapping[str, Any], line: CountsLine | None) -> float | None:
+    """A model whose architecture never ran, by its published counts along the site's line
+    (``features.counts_line``); None without the line or the counts."""
+    counts = published_counts(script)
+    if line is None or counts is None:
+        return None
+    params, acts = counts
+    return line.fixed + line.per_param * params + line.per_act * acts * math.exp(f["log_tokens"])
+
+
 def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: HistoryStats) -> float:
     """The estimate the memory model's learned ratio multiplies (``base_kind`` in the features says
-    which): the family's own peaks, else its architecture's other sizes, else the analytic prior."""
+    which): the family's own peaks, else its architecture's other sizes, else the site's models by
+    their published counts, else the analytic prior."""
+    site = (site_base_mib(f, script, history.counts_line(f["precision_bits"])) if f["base_kind"] == SITE_KIND
+            else None)
     return (family_base_mib(f, history.family(script["family"]))
-            or arch_base_mib(f, history.siblings(script), script) or analytic_base_mib(f))
+            or arch_base_mib(f, history.siblings(script), script) or site or analytic_base_mib(f))
 
 
 def _offset(value: Any, where: str) -> float:
@@ -453,7 +468,7 @@ class Bundle:
             if not all(isinstance(m, str) and m in families for m in _items(members, f"history.archs[{arch[:40]}]")):
                 raise ModelFileError(f"history.archs[{json.dumps(arch)[:40]}]: expected a list of family keys")
             archs[arch] = list(members)
-        self.history = HistoryStats(families, archs)
+        self.history = HistoryStats(families, archs, whole=True)
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)
@@ -559,7 +574,8 @@ class Bundle:
         tight = stratum.endswith(":tight")
         if f"{stratum}@{arch}" in self.memory_offsets:
             return 0.0, self.memory_offsets[f"{stratum}@{arch}"]
-        if stratum not in self.memory_offsets:
-            return self.memory_parts(x, trees, arch) if tight else (trees, self.memory_default_offset)
+        if stratum not in self.memory_offsets:  # the trees never saw the site's line (features.SITE_KIND)
+            return self.memory_parts(x, trees, arch) if tight else (
+                0.0 if x[_BASE_KIND] == SITE_KIND else trees, self.memory_default_offset)
         parts = (trees if stratum in self.memory_tree_strata else 0.0, self.memory_offsets[stratum])
         return min(parts, self.memory_parts(x, trees, arch), key=sum) if tight else parts

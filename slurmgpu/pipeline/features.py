@@ -13,7 +13,7 @@ import math
 import re
 import shlex
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from slurmgpu.pipeline.model_sizes import acts_per_token, published_size
 
@@ -360,11 +360,24 @@ class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
     def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None,
-                 archs: Mapping[str, list[str]] | None = None) -> None:
+                 archs: Mapping[str, list[str]] | None = None, whole: bool = False) -> None:
         self.families = dict(families or {})
         self.archs = dict(archs or {})  # architecture (arch_key) -> the families of its models
+        # Every family of the history (a bundle's), not the few a training row reads: only then is
+        # there a site's line (``counts_line``) to read.
+        self.whole = whole
         self._family: dict[str, Family] = {}  # made on first use: training reads a few of many
         self._held: dict[str, list[tuple[int, float, float]]] = {}
+        self._lines: dict[float, CountsLine | None] = {}
+
+    def counts_line(self, bits: float) -> CountsLine | None:
+        """The site's published-counts line at a precision (``counts_line``), once per bundle; None
+        for a training row's partial view."""
+        if not self.whole:
+            return None
+        if bits not in self._lines:
+            self._lines[bits] = counts_line(self.families.values(), bits)
+        return self._lines[bits]
 
     def family(self, key: str) -> Mapping[str, float]:
         """A family's statistics; only a family the history holds is kept (a daemon is asked about
@@ -434,6 +447,41 @@ def sized_fits(siblings: Iterable[Mapping[str, Any]]) -> list[tuple[float, float
             and fam.get("params_m", 0.0) > 0]
 
 
+# The fewest families (fitted lines of models with published counts, at one precision) the site's
+# published-counts line rests on.
+SITE_LINE_MIN = 10
+# The base kind of an architecture never run estimated from that line: below the analytic prior's 0,
+# so that every split of trees fitted before it existed (training rows never have it: a row reads
+# its own family and architecture, not the site) sends it the prior's way.
+SITE_KIND = -1.0
+
+
+class CountsLine(NamedTuple):
+    """Peak per GPU (MiB) by published counts across a site's models: fixed + per_param x parameters
+    + per_act x activations per token x tokens (counts in millions)."""
+
+    fixed: float
+    per_param: float
+    per_act: float
+
+
+def counts_line(families: Iterable[Mapping[str, Any]], bits: float) -> CountsLine | None:
+    """The site's line over the families of precision BITS with a fitted line and published counts:
+    their fixed parts a least squares on the parameter count (weights, gradients and optimizer
+    state are so many bytes each, plus a constant: the CUDA context and workspace), their per-token
+    parts b the median cost per activation (it varies threefold between architectures, and a few
+    families' lines are degenerate; a log-log slope in the activation count, which the costs
+    follow, erred no less on the timm sweep's architectures left out). None with fewer than
+    SITE_LINE_MIN such families or one size."""
+    fits = sized_fits(fam for fam in families if fam.get("bits") == bits)
+    if len(fits) < SITE_LINE_MIN or len({p for p, _, _, _ in fits}) < 2:
+        return None
+    mp, ma = (sum(v[i] for v in fits) / len(fits) for i in (0, 2))
+    per_param = max(sum((p - mp) * (a - ma) for p, _, a, _ in fits) / sum((p - mp) ** 2 for p, _, _, _ in fits), 0.0)
+    costs = sorted(b / x for _, x, _, b in fits)
+    return CountsLine(max(ma - per_param * mp, 0.0), per_param, costs[len(costs) // 2])
+
+
 def placed_by_size(siblings: Iterable[Mapping[str, Any]], script_feats: Mapping[str, Any]) -> float | None:
     """Whether the job's model and two or more siblings of different sizes (both parameters and
     activations) have published sizes, so that the estimate follows those counts
@@ -450,16 +498,19 @@ def placed_by_size(siblings: Iterable[Mapping[str, Any]], script_feats: Mapping[
     return 5.0 if own[1] > max(acts) else 6.0 if own[1] < min(acts) else 4.0
 
 
-def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_feats: Mapping[str, Any]) -> float:
+def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_feats: Mapping[str, Any],
+              site: CountsLine | None = None) -> float:
     """What the memory estimate rests on (bundle.memory_base_mib), each with its own calibrated
     margin: the family's own measured peaks (3), lines fitted to two or more other sizes of its
     model placed by their published parameter and activation counts (4 among them, 5 above, 6
-    below) or by their names' scale (2), other sizes' peaks otherwise (1), the analytic prior alone
-    (0)."""
+    below) or by their names' scale (2), other sizes' peaks otherwise (1), for a model with
+    published counts whose architecture never ran the SITE's line (``SITE_KIND``), the analytic
+    prior alone (0)."""
     if measured(fam):
         return 3.0
-    return placed_by_size(siblings, script_feats) or (2.0 if len(linear_fits(siblings)) >= 2 else
+    kind = placed_by_size(siblings, script_feats) or (2.0 if len(linear_fits(siblings)) >= 2 else
                                                       1.0 if any(measured(s) for s in siblings) else 0.0)
+    return SITE_KIND if not kind and site is not None and published_counts(script_feats) is not None else kind
 
 
 def card_features(gpu: GpuType, precision_bits: float | None) -> dict[str, float]:
@@ -488,7 +539,8 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
-        "base_kind": base_kind(fam, history.siblings(script_feats), script_feats),
+        "base_kind": base_kind(fam, history.siblings(script_feats), script_feats,
+                               history.counts_line(float(script_feats["precision_bits"]))),
         "log_limit": log_limit(request.get("time_limit_s")),
     }
 
