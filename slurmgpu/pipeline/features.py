@@ -499,18 +499,20 @@ def placed_by_size(siblings: Iterable[Mapping[str, Any]], script_feats: Mapping[
 
 
 def base_kind(fam: Mapping[str, Any], siblings: list[Mapping[str, Any]], script_feats: Mapping[str, Any],
-              site: CountsLine | None = None) -> float:
+              history: HistoryStats | None = None) -> float:
     """What the memory estimate rests on (bundle.memory_base_mib), each with its own calibrated
     margin: the family's own measured peaks (3), lines fitted to two or more other sizes of its
     model placed by their published parameter and activation counts (4 among them, 5 above, 6
     below) or by their names' scale (2), other sizes' peaks otherwise (1), for a model with
-    published counts whose architecture never ran the SITE's line (``SITE_KIND``), the analytic
-    prior alone (0)."""
+    published counts whose architecture never ran the site's line in HISTORY (``SITE_KIND``; read
+    only then: a scan of every family), the analytic prior alone (0)."""
     if measured(fam):
         return 3.0
     kind = placed_by_size(siblings, script_feats) or (2.0 if len(linear_fits(siblings)) >= 2 else
                                                       1.0 if any(measured(s) for s in siblings) else 0.0)
-    return SITE_KIND if not kind and site is not None and published_counts(script_feats) is not None else kind
+    if kind or history is None or published_counts(script_feats) is None:
+        return kind
+    return SITE_KIND if history.counts_line(float(script_feats["precision_bits"])) is not None else kind
 
 
 def card_features(gpu: GpuType, precision_bits: float | None) -> dict[str, float]:
@@ -539,8 +541,7 @@ def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gp
         "fam_log_peak_mean": float(fam.get("log_peak_mean", 0.0)),
         "fam_log_tokens_at_max": float(fam.get("log_tokens_at_max", 0.0)),
         "fam_oom_rate": float(fam.get("oom_rate", 0.0)),
-        "base_kind": base_kind(fam, history.siblings(script_feats), script_feats,
-                               history.counts_line(float(script_feats["precision_bits"]))),
+        "base_kind": base_kind(fam, history.siblings(script_feats), script_feats, history),
         "log_limit": log_limit(request.get("time_limit_s")),
     }
 
