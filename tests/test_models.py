@@ -259,7 +259,8 @@ def test_the_world_readable_bundle_holds_no_per_user_statistics(trained, tmp_pat
     path = tmp_path / "model.json"
     trained[0].save(str(path))
     data = json.loads(path.read_text())
-    assert set(data["history"]) == {"families", "archs"}  # per family and per architecture, none per user
+    # per family, per architecture and per card, none per user
+    assert set(data["history"]) == {"families", "archs", "type_offsets"}
     assert not any(name.startswith("user") for name in data["features"])
     text = path.read_text()
     for user in ("ann", "bob", "cy"):  # the history's users
@@ -1093,3 +1094,26 @@ def test_a_request_that_does_not_fit_takes_a_free_card_that_holds_it_with_the_pl
                       rf"{LATE_FIT:g}x the (\d+) min as asked: mid \(never run by this family\) holds it with the 10% "
                       r"margin of a shape it ran, in (\d+) min", d.reasons[-1])
     assert shown and [int(x) for x in shown.groups()] == [round(done[t]) for t in ("a100", "v100", "mid")], d.reasons
+
+
+def test_a_cards_memory_offset_is_learned_from_matched_runs_that_agree() -> None:
+    """Families run on two cards at the same batch: where every family's peaks on one card are 300
+    MiB over the others', that card gets +300 and the rest 0 (the median card's); where one card's
+    peaks are over by amounts that differ from family to family (arguments the script hides, users
+    putting larger jobs there), or no card differs, no card gets an offset; nor from runs at other
+    batches (which jobs went where)."""
+    rng = random.Random(3)
+    cards = ("a", "b", "c", "d")
+    level = {f"fam{i}": rng.uniform(2000, 30000) for i in range(8)}
+    agreed = [(fam, (b, 1), card, level[fam] * b / 8 + (300.0 if card == "a" else 0.0) + rng.uniform(-5, 5))
+              for fam in level for b in (8, 16, 32) for card in rng.sample(cards, 2)]
+    offsets = train.type_offsets(agreed)
+    assert set(offsets) == {"a"} and offsets["a"] == pytest.approx(300.0, abs=10.0)
+    hidden = [(fam, (b, 1), card, level[fam] * b / 8 * (rng.uniform(1.1, 2.0) if card == "a" else 1.0))
+              for fam in level for b in (8, 16, 32) for card in rng.sample(cards, 2)]
+    assert train.type_offsets(hidden) == {}
+    assert train.type_offsets([(fam, (b, 1), card, level[fam] * b) for fam in level for b in (8, 16)
+                               for card in rng.sample(cards, 2)]) == {}
+    unmatched = [(fam, (b, 1), cards[b % 4], level[fam] * b + (300.0 if cards[b % 4] == "a" else 0.0))
+                 for fam in level for b in (8, 9, 10, 11)]
+    assert train.type_offsets(unmatched) == {}

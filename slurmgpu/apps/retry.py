@@ -336,7 +336,7 @@ def model_fits(config: Config, bundle: Any, engine: Engine, cluster: str) -> Cal
             gpu = card_features(card, script.get("precision_bits"))
             asked = config.gpu_types.get(c.gpu_type)
             f = job_features(script, {**request, "req_gpu_mem_gib": asked.memory_gib if asked else 0.0}, gpu,
-                             c.gpus, bundle.history)
+                             c.gpus, bundle.history, card.name)
             peak = bundle.peak_mib(f, script)
             return peak * (1 + config.policy.memory_margin) <= card.memory_gib * 1024
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from slurmgpu.pipeline.bundle import (
     arch_base_mib,
     memory_base_mib,
     memory_stratum,
+    on_card,
     one_gpu_base,
     site_base_mib,
     zero_shift_mib,
@@ -42,6 +44,7 @@ from slurmgpu.pipeline.features import (
     RUNS,
     SCRIPT_NUMERIC,
     SITE_KIND,
+    TYPE_OFFSET,
     UTIL,
     UTIL_RUNS,
     CountsLine,
@@ -142,20 +145,96 @@ def gpu_oom(row: Mapping[str, Any], config: Config) -> bool:
 MAX_FIT_LOG_TOKENS = 100.0
 
 
+# A card's memory offset (type_offsets) is kept where OFFSET_MIN_FAMILIES families ran on it beside
+# another card, and it lies OFFSET_SE standard errors and at least OFFSET_MIN_MIB from 0: on most
+# sites' histories no card differs, and an offset of noise would move every estimate on that card.
+OFFSET_SE = 2.0
+OFFSET_MIN_MIB = 64.0
+OFFSET_MIN_FAMILIES = 4
+# ... and the families agree on it: their own figures' median deviation at most this share of it. A
+# context and workspace is the card's, the same in every model: in six draws of a DLInfBench history
+# the families deviate 1-28% of the offset. A difference that arguments the script hides make (users
+# pick the card for the job) varies from family to family: on the scenario's histories (seeds 4242,
+# 1, 7, 13; loads 0.3, 0.9) every card with 4 or more families' figures deviated 44-77%.
+OFFSET_AGREE = 0.35
+OFFSET_ROUNDS = 10
+
+
+def type_offsets(points: Iterable[tuple[str, Any, str, float]]) -> dict[str, float]:
+    """What each card adds to a peak (MiB) over the site's cards at large (the median card's 0), from
+    (family, same job, card, peak as one GPU's): matched comparisons only, one family at one batch,
+    sequence and GPU count run on two or more cards, whose peaks differ by nothing the script shows
+    but the card (between families, or between a family's batches, which jobs went to which card
+    would pass for the card). The CUDA context, cuDNN's workspace and the framework's pool differ
+    by GPU generation and CUDA version (DLInfBench: ResNet-50 inference at batch 32 takes 817 MiB
+    on a GTX 1080, 1384 on a V100), in every model alike; what differs in one family alone (a bf16
+    job run in fp32 where the card lacks bf16, an argument the script hides) is no card's. So each
+    family votes once: alternately each job's level (its runs less their cards' offsets, averaged)
+    and each card's offset moved by the median over families of its runs' median residual in each,
+    centred on the median card's, OFFSET_ROUNDS times; kept where OFFSET_MIN_FAMILIES families or
+    more vote, their own figures agree (OFFSET_AGREE) and the offset stands OFFSET_SE standard
+    errors (of that median) and OFFSET_MIN_MIB from 0. Cards without such evidence have none (0)."""
+    by_job: dict[Any, list[tuple[str, float]]] = {}
+    for family, job, card, peak in points:
+        by_job.setdefault((family, job), []).append((card, peak))
+    matched = {key: runs for key, runs in by_job.items() if len({card for card, _ in runs}) >= 2}
+    offsets: dict[str, float] = {}
+    for _ in range(OFFSET_ROUNDS if matched else 0):
+        moves: dict[str, list[float]] = {}  # card -> each family's median residual about its jobs' levels
+        for jobs in _residuals(matched, offsets).values():
+            for card, rs in jobs.items():
+                moves.setdefault(card, []).append(statistics.median(r for r, _ in rs))
+        for card, ms in moves.items():
+            offsets[card] = offsets.get(card, 0.0) + statistics.median(ms)
+        middle = statistics.median(offsets.values())  # most cards add nothing: they stay at 0
+        offsets = {card: v - middle for card, v in offsets.items()}
+    # Each family's own figure of each card's offset: its runs over the same jobs' runs on other
+    # cards (the residual about the level times n / (n - 1): a level of n runs holds a card's own).
+    votes: dict[str, list[float]] = {}
+    for jobs in _residuals(matched, offsets).values():
+        for card, rs in jobs.items():
+            votes.setdefault(card, []).append(offsets[card] + statistics.median(r * n / (n - 1) for r, n in rs))
+
+    def clear(card: str) -> bool:
+        vs = votes[card]
+        middle = statistics.median(vs)
+        spread = statistics.median(abs(v - middle) for v in vs)
+        se = 1.2533 * 1.4826 * spread / math.sqrt(len(vs))
+        return (len(vs) >= OFFSET_MIN_FAMILIES and spread <= OFFSET_AGREE * abs(offsets[card])
+                and abs(offsets[card]) >= max(OFFSET_MIN_MIB, OFFSET_SE * se))
+
+    return {card: round(v, 1) for card, v in sorted(offsets.items()) if clear(card)}
+
+
+def _residuals(matched: Mapping[tuple[str, Any], list[tuple[str, float]]], offsets: Mapping[str, float]
+               ) -> dict[str, dict[str, list[tuple[float, int]]]]:
+    """Per family and card, each run's peak less its card's offset about its job's level (the mean of
+    the job's runs so), with the job's run count."""
+    out: dict[str, dict[str, list[tuple[float, int]]]] = {}
+    for (family, _job), runs in matched.items():
+        level = sum(peak - offsets.get(card, 0.0) for card, peak in runs) / len(runs)
+        for card, peak in runs:
+            out.setdefault(family, {}).setdefault(card, []).append((peak - offsets.get(card, 0.0) - level, len(runs)))
+    return out
+
+
 class _Running:
     """Per-family statistics accumulated in submission order (none per user: the bundle is world-readable)."""
 
-    def __init__(self) -> None:
+    def __init__(self, offsets: Mapping[str, float] | None = None) -> None:
         self.fam: dict[str, dict[str, float]] = {}
         self.archs: dict[str, list[str]] = {}  # architecture -> its families, in order first seen
+        self.offsets = dict(offsets or {})  # each card's memory offset: peaks are kept without it
 
     def snapshot(self) -> HistoryStats:
-        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()}, self.archs, whole=True)
+        return HistoryStats({k: self._family_view(v) for k, v in self.fam.items()}, self.archs, whole=True,
+                            type_offsets=self.offsets)
 
     def now(self, script: Mapping[str, Any]) -> HistoryStats:
         """The statistics a job's features read (its family and its architecture's), as of now."""
         keys = [script["family"], *self.archs.get(script.get("arch") or "", ())]
-        return HistoryStats({k: self._family_view(self.fam[k]) for k in keys if k in self.fam}, self.archs)
+        return HistoryStats({k: self._family_view(self.fam[k]) for k in keys if k in self.fam}, self.archs,
+                            type_offsets=self.offsets)
 
     @staticmethod
     def _family_view(s: Mapping[str, float]) -> dict[str, Any]:
@@ -211,7 +290,7 @@ class _Running:
             s["oom"] += 1
         elif row["peak"] and row["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS:
             tokens = math.exp(row["script"]["log_tokens"])
-            peak = row["peak"] + zero_shift_mib(row["script"], row["gpus"])  # as one GPU's (bundle.py)
+            peak = max(one_gpu_peak(row) - self.offsets.get(row["gpu_type"], 0.0), 1.0)  # without its card's offset
             if s["m"] >= 3 and (line := _line(s))["b"] > 0:  # how well its line foretold this peak (memory_stratum)
                 miss = abs(math.log(peak / one_gpu_base({"log_tokens": row["script"]["log_tokens"]}, line)))
                 s[f"miss:{int(s.get('line_n', 0.0)) % TIGHT_AFTER}"] = miss  # the last TIGHT_AFTER, in a ring
@@ -229,6 +308,11 @@ class _Running:
             s["p"] += peak
             s["tt"] += tokens * tokens
             s["tp"] += tokens * peak
+
+
+def one_gpu_peak(row: Mapping[str, Any]) -> float:
+    """A run's peak as one GPU's (``bundle.zero_shift_mib``), never below 1 MiB."""
+    return max(row["peak"] + zero_shift_mib(row["script"], row["gpus"]), 1.0)
 
 
 def _line_record(fam: Mapping[str, float]) -> dict[str, float]:
@@ -303,10 +387,20 @@ def written_limit(row: Mapping[str, Any], config: Config, read: dict[str, int | 
     return read[text]
 
 
-def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[list[dict[str, Any]], HistoryStats]:
+def build_examples(rows: Iterable[Mapping[str, Any]], config: Config,
+                   offsets: Mapping[str, float] | None = None) -> tuple[list[dict[str, Any]], HistoryStats]:
     """Feature rows with history as of each job's submission (point in time: only jobs that had
-    ended by then count, never one still queued or running), and the final snapshot."""
-    running = _Running()
+    ended by then count, never one still queued or running), and the final snapshot. The cards'
+    memory OFFSETS (a bundle's, to judge it), else measured on the older 80% of the measured
+    peaks: the newest fifth, which calibrates the memory margin (``fit``), is judged with offsets
+    it did not help to measure."""
+    rows = list(rows)
+    if offsets is None:
+        measured = [r for r in rows if r["peak"] and not gpu_oom(r, config)
+                    and r["script"]["log_tokens"] <= MAX_FIT_LOG_TOKENS]
+        offsets = type_offsets((r["script"]["family"], (r["script"]["log_tokens"], r["gpus"]), r["gpu_type"],
+                                one_gpu_peak(r)) for r in measured[:int(len(measured) * 0.8)])
+    running = _Running(offsets)
     examples = []
     ended: list[tuple[datetime, int, dict[str, Any]]] = []  # a heap of outcomes not known yet
     limits: dict[str, int | None] = {}  # each script's written time limit, read once
@@ -318,10 +412,10 @@ def build_examples(rows: Iterable[Mapping[str, Any]], config: Config) -> tuple[l
         request = {**row["request"], "req_gpu_mem_gib": _gpu(config, row["request"].get("gpu_type"))["memory_gib"],
                    "time_limit_s": written_limit(row, config, limits)}
         gpus = max(int(row["gpus"]), 1)
-        f = job_features(row["script"], request, gpu, gpus, history)
+        f = job_features(row["script"], request, gpu, gpus, history, row["gpu_type"])
         base = memory_base_mib(f, row["script"], history)
         oom = gpu_oom(row, config)
-        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom,
+        examples.append({**row, "x": [f[n] for n in NUMERIC], "base": base, "oom": oom, TYPE_OFFSET: f[TYPE_OFFSET],
                          "family_then": _line_record(history.family(row["script"]["family"]))})
         heapq.heappush(ended, (ended_at(row), seq, {**row, "state": "OUT_OF_MEMORY" if oom else row["state"],
                                                      "oom": oom, "card_gib": gpu["memory_gib"]}))
@@ -424,7 +518,7 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         "version": BUNDLE_VERSION, "features": list(NUMERIC), "quantile": quantile,
         "memory": memory, "memory_source": source,
         "runtime": run_trees, "runtime_spread": spread, "runtime_upper": upper_trees,
-        "history": {"families": snapshot.families, "archs": snapshot.archs},
+        "history": {"families": snapshot.families, "archs": snapshot.archs, "type_offsets": snapshot.type_offsets},
         "window": [min(e["submit"] for e in examples).isoformat(), max(e["submit"] for e in examples).isoformat()],
         "jobs": len(examples),
     })
@@ -488,6 +582,7 @@ def _size_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> dict[str, l
         kind = base_kind({}, siblings, script)
         estimate = arch_base_mib(f, siblings, script)
         if estimate:
+            estimate = on_card(estimate, {TYPE_OFFSET: e[TYPE_OFFSET]})
             stratum = memory_stratum([*e["x"][:_BASE_KIND], kind, *e["x"][_BASE_KIND + 1:]])
             for key in (stratum, f"{stratum}@{script['arch']}"):  # all architectures, and this one's own
                 gaps.setdefault(key, []).append(math.log(e["peak"] / estimate))
@@ -511,7 +606,7 @@ def _arch_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> list[float]
             lines[key] = counts_line((fam for k, fam in snapshot.families.items() if k not in own), bits)
         estimate = site_base_mib(dict(zip(NUMERIC, e["x"], strict=True)), script, lines[key])
         if estimate:
-            gaps.append(math.log(e["peak"] / estimate))
+            gaps.append(math.log(e["peak"] / on_card(estimate, {TYPE_OFFSET: e[TYPE_OFFSET]})))
     return gaps
 
 
@@ -552,7 +647,7 @@ def evaluate(bundle: Bundle, train_rows: list[dict[str, Any]], test_rows: list[d
              config: Config) -> dict[str, Any]:
     """Held-out metrics: memory under-prediction rate, runtime error, and whether the chosen
     type would have held the job (true peak within the card) where the user's request did."""
-    examples, _ = build_examples([*train_rows, *test_rows], config)
+    examples, _ = build_examples([*train_rows, *test_rows], config, bundle.history.type_offsets)
     test_ids = {r["job_id"] for r in test_rows}
     tests = [e for e in examples if e["job_id"] in test_ids]
     all_mem = [e for e in tests if e["peak"] and not e["oom"]]

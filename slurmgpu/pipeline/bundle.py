@@ -25,6 +25,7 @@ from slurmgpu.pipeline.features import (
     NUMERIC,
     RATE,
     SITE_KIND,
+    TYPE_OFFSET,
     CountsLine,
     HistoryStats,
     hexdigest,
@@ -39,6 +40,8 @@ from slurmgpu.pipeline.features import (
 from slurmgpu.pipeline.files import read_regular
 
 BUNDLE_VERSION = 2
+# The largest card offset a bundle may carry (MiB): a context and workspace, not a card.
+MAX_TYPE_OFFSET_MIB = 65536.0
 MIB = 1024.0
 MAX_BUNDLE_BYTES = 256 << 20  # a trained bundle is about 1 MiB; a file past this is not read
 
@@ -382,8 +385,15 @@ def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: 
     their published counts, else the analytic prior."""
     site = (site_base_mib(f, script, history.counts_line(f["precision_bits"])) if f["base_kind"] == SITE_KIND
             else None)
-    return (family_base_mib(f, history.family(script["family"]))
-            or arch_base_mib(f, history.siblings(script), script) or site or analytic_base_mib(f))
+    measured_base = (family_base_mib(f, history.family(script["family"]))
+                     or arch_base_mib(f, history.siblings(script), script) or site)
+    return on_card(measured_base, f) if measured_base else analytic_base_mib(f)
+
+
+def on_card(base: float, f: Mapping[str, float]) -> float:
+    """An estimate made of measured peaks (kept without their cards' offsets) on the job's card:
+    plus its offset (``features.TYPE_OFFSET``), never below 1 MiB."""
+    return max(base + f.get(TYPE_OFFSET, 0.0), 1.0)
 
 
 def _offset(value: Any, where: str) -> float:
@@ -468,7 +478,11 @@ class Bundle:
             if not all(isinstance(m, str) and m in families for m in _items(members, f"history.archs[{arch[:40]}]")):
                 raise ModelFileError(f"history.archs[{json.dumps(arch)[:40]}]: expected a list of family keys")
             archs[arch] = list(members)
-        self.history = HistoryStats(families, archs, whole=True)
+        offsets = {str(k): _number(v, f"history.type_offsets[{str(k)[:20]}]")
+                   for k, v in _table(history.get("type_offsets", {}), "history.type_offsets").items()}
+        if any(abs(v) > MAX_TYPE_OFFSET_MIB for v in offsets.values()):
+            raise ModelFileError(f"history.type_offsets: an offset beyond {MAX_TYPE_OFFSET_MIB:g} MiB")
+        self.history = HistoryStats(families, archs, whole=True, type_offsets=offsets)
         # How far above its prediction a runtime ran on newer jobs (log, 95th percentile): the margin
         # a changed request keeps to its time limit. Older bundles have none.
         self.runtime_spread = max(_number(data.get("runtime_spread", 0.0), "runtime_spread"), 0.0)

@@ -65,7 +65,7 @@ class CandidateTable:
         array = array_tasks(req.get("array"))
         bits = sf["precision_bits"]  # the datasheet column its cards' speeds are read from (GpuType.speed)
         rows = [job_features(sf, req, card_features(gt, bits), c,
-                             self.bundle.history) for gt, c in shapes]
+                             self.bundle.history, gt.name) for gt, c in shapes]
         preds = self.bundle.predict_many(rows, sf)
         # A type or count the family never ran on is a prediction from other families: doubt it more.
         fam = self.bundle.history.family(sf["family"])

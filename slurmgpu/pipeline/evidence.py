@@ -81,7 +81,7 @@ class FamilyEvidence:
         comp = request.main
         gt = self.config.gpu_types[gpu_type]
         req = {**request.to_json(), "req_gpu_mem_gib": self.mem_gib(comp.gpu_type)}
-        feats = job_features(sf, req, card_features(gt, sf["precision_bits"]), gpus, self.bundle.history)
+        feats = job_features(sf, req, card_features(gt, sf["precision_bits"]), gpus, self.bundle.history, gt.name)
         return float(self.bundle.peak_mib(feats, sf))
 
     def runs_there(self, sf: Mapping[str, Any], req_type: str | None, gpu_type: str) -> bool:

@@ -360,15 +360,24 @@ class HistoryStats:
     """Per-family statistics, computed as of training time and shipped in the model (never per user)."""
 
     def __init__(self, families: Mapping[str, Mapping[str, float]] | None = None,
-                 archs: Mapping[str, list[str]] | None = None, whole: bool = False) -> None:
+                 archs: Mapping[str, list[str]] | None = None, whole: bool = False,
+                 type_offsets: Mapping[str, float] | None = None) -> None:
         self.families = dict(families or {})
         self.archs = dict(archs or {})  # architecture (arch_key) -> the families of its models
+        # What a card adds to a peak (MiB) over the site's cards at large: its CUDA context, cuDNN
+        # workspace and framework pool (learning/train.type_offsets). The families' peaks are kept
+        # without it, so that a line fitted to runs on several cards is one line.
+        self.type_offsets = dict(type_offsets or {})
         # Every family of the history (a bundle's), not the few a training row reads: only then is
         # there a site's line (``counts_line``) to read.
         self.whole = whole
         self._family: dict[str, Family] = {}  # made on first use: training reads a few of many
         self._held: dict[str, list[tuple[int, float, float]]] = {}
         self._lines: dict[float, CountsLine | None] = {}
+
+    def type_offset(self, gpu_type: str | None) -> float:
+        """A card's offset (``type_offsets``); 0 for a card the history measured no offset of."""
+        return self.type_offsets.get(gpu_type or "", 0.0)
 
     def counts_line(self, bits: float) -> CountsLine | None:
         """The site's published-counts line at a precision (``counts_line``), once per bundle; None
@@ -521,15 +530,22 @@ def card_features(gpu: GpuType, precision_bits: float | None) -> dict[str, float
     return {"memory_gib": gpu.memory_gib, "relative_speed": gpu.speed(precision_bits)}
 
 
+# The feature (outside NUMERIC: the trees never read it) that carries the card's memory offset
+# (``HistoryStats.type_offset``) to the estimate (``bundle.memory_base_mib``).
+TYPE_OFFSET = "type_offset_mib"
+
+
 def job_features(script_feats: Mapping[str, Any], request: Mapping[str, Any], gpu: Mapping[str, float],
-                 gpus: int, history: HistoryStats) -> dict[str, float]:
+                 gpus: int, history: HistoryStats, gpu_type: str | None = None) -> dict[str, float]:
     """The model's numeric input for running this job on ``gpus`` GPUs of type ``gpu``.
 
-    ``gpu`` carries the candidate type's memory (GiB) and relative speed; ``request`` is the
-    normalised request (``JobRequest.to_json()``) with the requested type's memory filled in.
+    ``gpu`` carries the candidate type's memory (GiB) and relative speed, ``gpu_type`` its name
+    (its memory offset); ``request`` is the normalised request (``JobRequest.to_json()``) with the
+    requested type's memory filled in.
     """
     fam = history.family(script_feats["family"])
     return {
+        TYPE_OFFSET: history.type_offset(gpu_type),
         "req_gpus": float(request.get("gpus_total") or 0),
         "req_gpu_mem_gib": float(request.get("req_gpu_mem_gib") or 0.0),
         "gpus": float(gpus),

@@ -84,7 +84,7 @@ class MemoryBound:
         (``Bundle.peak_estimate_mib``): what the bound the fit test reads (with ``margin``) stands on."""
         from slurmgpu.pipeline.features import card_features, job_features
 
-        f = job_features(sf, req, card_features(gt, sf["precision_bits"]), gpus, self.bundle.history)
+        f = job_features(sf, req, card_features(gt, sf["precision_bits"]), gpus, self.bundle.history, gt.name)
         return float(self.bundle.peak_estimate_mib(f, sf))
 
     def fit_hint(self, request: JobRequest, sf: Mapping[str, Any], req: Mapping[str, Any], baseline: Row,
@@ -101,7 +101,7 @@ class MemoryBound:
 
         def peak(feats: Mapping[str, Any], gpus: int) -> tuple[float, float]:
             """Predicted peak and the margin its fit test uses (as in the table)."""
-            peak_mib = self.bundle.peak_mib(job_features(feats, req, gpu, gpus, self.bundle.history), feats)
+            peak_mib = self.bundle.peak_mib(job_features(feats, req, gpu, gpus, self.bundle.history, gt.name), feats)
             return float(peak_mib), self.margin(f"{gpus}x{gt.name}" in seen)
 
         batch = int(sf["batch_size"])
