@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 CLUSTER := bash contrib/local-slurm/cluster.sh
 DBS     := bash contrib/local-db/databases.sh
 
-.PHONY: install pyslurm test-deps site-install demo test test-unit test-slurm-diff bench bench-backends bench-decision evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
+.PHONY: install pyslurm test-deps site-install demo test test-unit test-slurm-diff bench bench-backends bench-decision bench-memory evaluate evaluate-load replay lint cluster-up cluster-down cluster-status db-up db-down clean
 
 install: $(VENV)/.installed
 	-@sh contrib/pyslurm/install.sh $(PY)
@@ -63,6 +63,12 @@ bench-backends: install cluster-up
 DECISION_ARGS ?=
 bench-decision: install
 	$(PY) benchmarks/bench_decision.py $(DECISION_ARGS)
+
+# The peak estimate and the bound shown on published peaks: unseen batches, unseen architectures,
+# every GPU generation (docs/decision-model.md, "Grounded in published measurements").
+MEMORY_ARGS ?=
+bench-memory: install
+	$(PY) benchmarks/bench_memory.py $(MEMORY_ARGS)
 
 # Policies side by side on a generated ~50k-job workload, simulated (results and plots in scenario-report/).
 evaluate: install

@@ -14,22 +14,28 @@ import random
 from collections import defaultdict
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from published import COLUMNS, FIXTURES, by_model, errors, gavel_config, history_csv, memory_rows, train_script
+from published import (
+    FIXTURES,
+    architectures_left_out,
+    by_model,
+    errors,
+    estimate_mib,
+    gavel_config,
+    generations_history,
+    generations_judged,
+    memory_rows,
+    shown_peak,
+    train_script,
+    trained_bundle,
+)
 
 from slurmgpu.cli.main import main as cli
-from slurmgpu.history import db
-from slurmgpu.history.imports import import_history
 from slurmgpu.learning import train
-from slurmgpu.pipeline.bundle import Bundle, analytic_base_mib, memory_base_mib
-from slurmgpu.pipeline.config import load_config
-from slurmgpu.pipeline.features import arch_key, card_features, job_features, script_features
-from slurmgpu.pipeline.policy import ModelDecider
-from slurmgpu.pipeline.request import build_request
-from slurmgpu.pipeline.script import parse_script
+from slurmgpu.pipeline.bundle import Bundle, analytic_base_mib
+from slurmgpu.pipeline.features import arch_key, job_features, script_features
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,43 +120,13 @@ def timm() -> dict[str, list[dict[str, str]]]:
     return {m: rs for m, rs in by_model(memory_rows()).items() if len(rs) == 5}
 
 
-def _trained(tmp_path: Path, rows: list[dict[str, str]]) -> Bundle:
-    rows = list(rows)
-    random.Random(0).shuffle(rows)
-    url = f"sqlite:///{tmp_path / 'h.db'}"
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    history_csv(tmp_path / "h.csv", rows)
-    assert import_history(engine, str(tmp_path / "h.csv"), "pub").jobs.inserted == len(rows)
-    return train.fit(train.history_rows(engine), CONFIG, iterations=300)[0]  # train's default quantile
-
-
-CONFIG = load_config(ROOT / "contrib" / "slurmgpu.toml")
-CONFIG = CONFIG._replace(policy=CONFIG.policy._replace(decider="model"))
-
-
-def _peak(bundle: Bundle, model: str, batch: int, image: str) -> float:
-    """The per-GPU peak ``predict --json`` shows for the job on one A100 (the card it was measured on)."""
-    request = build_request(parse_script(train_script(model, batch, image).encode(), "job.sh"), [], {},
-                            CONFIG.gpu_features())
-    table = ModelDecider(CONFIG, bundle, lambda: {}).decide(request).per_type
-    return next(c.pred_peak_mem_mib for c in table if (c.gpu_type, c.gpus) == ("a100", 1))
-
-
-def _estimate(bundle: Bundle, model: str, batch: int, image: str) -> float:
-    """The estimate before its learned ratio and margin (bundle.memory_base_mib)."""
-    sf = script_features(train_script(model, batch, image))
-    f = job_features(sf, {"gpus_total": 1}, {"memory_gib": 80.0, "relative_speed": 1.0}, 1, bundle.history)
-    return memory_base_mib(f, sf, bundle.history)
-
-
 def test_peak_memory_at_a_batch_larger_than_any_in_history(tmp_path: Path, timm) -> None:
     """Every model's batch 128 predicted from its batches 8-64: median error < 10%, < 5% under."""
-    bundle = _trained(tmp_path, [r for rs in timm.values() for r in rs if r["batch_size"] != "128"])
+    bundle = trained_bundle(tmp_path, [r for rs in timm.values() for r in rs if r["batch_size"] != "128"])
     predicted, measured = {}, {}
     for model, rs in timm.items():
         top = next(r for r in rs if r["batch_size"] == "128")
-        predicted[model], measured[model] = _peak(bundle, model, 128, top["image_or_seq"]), float(top["peak_mib"])
+        predicted[model], measured[model] = shown_peak(bundle, model, 128, top["image_or_seq"]), float(top["peak_mib"])
     e = errors(predicted, measured)
     assert e["n"] > 400
     assert e["mdape"] < 0.10 and e["under"] < 0.05, e
@@ -165,17 +141,17 @@ def test_peak_memory_of_resnet_depths_never_run(tmp_path: Path, timm) -> None:
     run, deeper than any in history: the estimate is still within 8%, the figure never under and
     within 15%."""
     for held in ({"resnet152"}, {"resnet152", "resnet200"}):
-        bundle = _trained(tmp_path / "-".join(sorted(held)), [r for m, rs in timm.items() if m not in held
+        bundle = trained_bundle(tmp_path / "-".join(sorted(held)), [r for m, rs in timm.items() if m not in held
                                                                for r in rs])
         for model in held:
             assert model not in bundle.history.families and arch_key(model) in bundle.history.archs
-            predicted = {r["batch_size"]: _peak(bundle, model, int(r["batch_size"]), r["image_or_seq"])
+            predicted = {r["batch_size"]: shown_peak(bundle, model, int(r["batch_size"]), r["image_or_seq"])
                          for r in timm[model]}
             measured = {r["batch_size"]: float(r["peak_mib"]) for r in timm[model]}
             e = errors(predicted, measured)
             assert e["n"] == 5 and e["under"] == 0 and e["mdape"] < (0.10 if len(held) == 1 else 0.15), (e, predicted)
             print(f"{model} never run, {len(held)} held out: {e}")
-            estimates = {b: _estimate(bundle, model, int(b), "224") for b in measured}
+            estimates = {b: estimate_mib(bundle, model, int(b), "224") for b in measured}
             assert max(abs(estimates[b] - measured[b]) / measured[b] for b in measured) < 0.08, estimates
             # The figure grows with the batch as the measurements do.
             assert sorted(predicted.values()) == [predicted[b] for b in ("8", "16", "32", "64", "128")]
@@ -191,18 +167,18 @@ def test_model_sizes_never_run_across_the_timm_sweep(tmp_path: Path, timm, monke
         archs[arch_key(model)].append(model)
     rnd = random.Random(0)
     held = {rnd.choice(sorted(ms)) for ms in archs.values() if len(ms) >= 3}
-    bundle = _trained(tmp_path, [r for m, rs in timm.items() if m not in held for r in rs])
+    bundle = trained_bundle(tmp_path, [r for m, rs in timm.items() if m not in held for r in rs])
     shown, by_counts, by_name, measured = {}, {}, {}, {}
     for model in held:
         for r in timm[model]:
             key = (model, r["batch_size"])
             measured[key] = float(r["peak_mib"])
-            shown[key] = _peak(bundle, model, int(r["batch_size"]), r["image_or_seq"])
-            by_counts[key] = _estimate(bundle, model, int(r["batch_size"]), r["image_or_seq"])
+            shown[key] = shown_peak(bundle, model, int(r["batch_size"]), r["image_or_seq"])
+            by_counts[key] = estimate_mib(bundle, model, int(r["batch_size"]), r["image_or_seq"])
     monkeypatch.setattr("slurmgpu.pipeline.features.published_size", lambda model: None)
     for model, batch in measured:
         image = next(r["image_or_seq"] for r in timm[model] if r["batch_size"] == batch)
-        by_name[(model, batch)] = _estimate(bundle, model, int(batch), image)
+        by_name[(model, batch)] = estimate_mib(bundle, model, int(batch), image)
     e, counts, name = errors(shown, measured), errors(by_counts, measured), errors(by_name, measured)
     print(f"sizes never run: shown {e}; estimate by published counts {counts}, by name {name}")
     assert e["n"] > 250 and e["under"] < 0.05 and e["mdape"] < 0.10, e
@@ -215,20 +191,16 @@ def test_architectures_never_run_across_the_timm_sweep(tmp_path: Path, timm) -> 
     parameter count, their median cost per activation), within 15% at the median where the
     analytic prior errs over 30%, and the figure shown (the 95% margin measured by leaving each
     architecture out) is under-predicted less than 1 time in 10 and within 40% at the median."""
-    archs: dict[str | None, list[str]] = defaultdict(list)
-    for model in timm:
-        archs[arch_key(model)].append(model)
-    keys = sorted(archs, key=str)
-    held = {m for a in random.Random(100).sample(keys, len(keys) // 5) for m in archs[a]}
-    bundle = _trained(tmp_path, [r for m, rs in timm.items() if m not in held for r in rs])
+    held = architectures_left_out(timm, draw=0)
+    bundle = trained_bundle(tmp_path, [r for m, rs in timm.items() if m not in held for r in rs])
     assert "-1" in bundle.memory_offsets  # the stratum of the site's line, calibrated
     shown, estimate, prior, measured = {}, {}, {}, {}
     for model in held:
         for r in timm[model]:
             key, batch = (model, r["batch_size"]), int(r["batch_size"])
             measured[key] = float(r["peak_mib"])
-            shown[key] = _peak(bundle, model, batch, r["image_or_seq"])
-            estimate[key] = _estimate(bundle, model, batch, r["image_or_seq"])
+            shown[key] = shown_peak(bundle, model, batch, r["image_or_seq"])
+            estimate[key] = estimate_mib(bundle, model, batch, r["image_or_seq"])
             sf = script_features(train_script(model, batch, r["image_or_seq"]))
             prior[key] = analytic_base_mib(job_features(sf, {"gpus_total": 1}, {"memory_gib": 80.0,
                                                                                "relative_speed": 1.0},
@@ -239,44 +211,6 @@ def test_architectures_never_run_across_the_timm_sweep(tmp_path: Path, timm) -> 
     assert by_site["mdape"] < 0.15 < 0.30 < by_prior["mdape"], (by_site, by_prior)
 
 
-# DLInfBench's six cards (memory_by_gpu.csv), GiB: GTX 1080, 1080 Ti, Titan X Pascal, Titan V, V100-PCIE
-# 16 GB, RTX 2080 Ti.
-CARDS = {"gtx_1080": 8, "gtx_1080_ti": 11, "titan_x_pascal": 12, "titan_v": 12, "tesla_v100": 16, "rtx2080ti": 11}
-
-
-def _inference_script(model: str, batch: int, image: str, card: str) -> str:
-    return (f"#!/bin/bash\n#SBATCH --gres=gpu:{card}:1\n#SBATCH --time=01:00:00\n"
-            f"python infer.py --model {model} --batch-size {batch} --image-size {image}\n")
-
-
-def _generations(tmp_path: Path) -> tuple[Any, dict[tuple[str, int, str], tuple[float, str]], Any]:
-    """The config of DLInfBench's cards, its measurements, and a history of them: each CNN at batch
-    1-32, each batch on two cards drawn at random, in random order."""
-    (tmp_path / "c.toml").write_text('[site]\ncluster = "gen"\n[policy]\ndecider = "model"\n' + "".join(
-        f"[gpu_types.{c}]\nmemory_gib = {m}\nrelative_speed = 1.0\n" for c, m in CARDS.items())
-        + f"[partitions.gpu]\ngpu_types = {json.dumps(list(CARDS))}\ngpus_per_node = 4\nnodes = 6\ndefault = true\n")
-    config = load_config(tmp_path / "c.toml")
-    with open(FIXTURES / "memory_by_gpu.csv", newline="") as fh:
-        peaks = {(r["model"], int(r["batch_size"]), r["gpu_dir"]): (float(r["peak_mib"]), r["image_size"])
-                 for r in csv.DictReader(fh)}
-    rnd = random.Random(0)
-    jobs = [(m, b, c) for m in sorted({m for m, _, _ in peaks}) for b in (1, 2, 4, 8, 16, 32)
-            for c in rnd.sample(sorted(CARDS), 2)]
-    rnd.shuffle(jobs)
-    with open(tmp_path / "h.csv", "w", newline="") as fh:
-        out = csv.writer(fh)
-        out.writerow(COLUMNS)
-        for i, (m, b, c) in enumerate(jobs):
-            peak, image = peaks[(m, b, c)]
-            out.writerow([9000 + i, f"u{i % 5}", (datetime(2026, 6, 1) + timedelta(hours=i)).isoformat(), c, 1, 600,
-                          "COMPLETED", peak, _inference_script(m, b, image, c)])
-    url = f"sqlite:///{tmp_path / 'h.db'}"
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    assert import_history(engine, str(tmp_path / "h.csv"), "gen").jobs.inserted == len(jobs)
-    return config, peaks, engine
-
-
 def test_peak_memory_on_every_gpu_generation_at_batches_never_run(tmp_path: Path, monkeypatch) -> None:
     """DLInfBench: 8 CNNs' inference memory on six GPUs of three generations (Pascal with CUDA 8,
     Volta with 9.x, Turing with 10), which differs by card (context, workspace, pool). The history
@@ -285,21 +219,11 @@ def test_peak_memory_on_every_gpu_generation_at_batches_never_run(tmp_path: Path
     V100 takes 499 MiB more than a Titan X Pascal for ResNet-50 at batch 32); the estimate is within
     12% at the median where one line through every card's runs errs over twice as much, and the
     figure shown is under-predicted less than 1 time in 10, and errs less."""
-    config, peaks, engine = _generations(tmp_path)
+    config, peaks, engine = generations_history(tmp_path, seed=0, cards_a_batch=2)
 
     def judged() -> tuple[Bundle, dict[str, float], dict[str, float]]:
         bundle = train.fit(train.history_rows(engine), config, iterations=300)[0]
-        estimate, shown, measured = {}, {}, {}
-        for (model, batch, card), (peak, image) in peaks.items():
-            if batch in (64, 128):
-                sf = script_features(_inference_script(model, batch, image, card))
-                gt = config.gpu_types[card]
-                f = job_features(sf, {"gpus_total": 1, "gpu_type": card, "req_gpu_mem_gib": gt.memory_gib},
-                                 card_features(gt, 32.0), 1, bundle.history, card)
-                key = f"{model}@{batch}@{card}"
-                estimate[key], shown[key] = bundle.peak_estimate_mib(f, sf), bundle.peak_mib(f, sf)
-                measured[key] = peak
-        return bundle, errors(estimate, measured), errors(shown, measured)
+        return bundle, *generations_judged(bundle, config, peaks)
 
     bundle, estimate, shown = judged()
     offsets = bundle.history.type_offsets
