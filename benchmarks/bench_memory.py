@@ -106,16 +106,19 @@ def table_md(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _integers(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--draws", default="0,1,2,3,4", help="comma-separated draws (random seeds)")
+    parser.add_argument("--draws", type=_integers, default=[0, 1, 2, 3, 4], help="comma-separated draws (random seeds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    try:
-        draws = [int(s) for s in args.draws.split(",")]
-    except ValueError:
-        print(f"--draws {args.draws!r}: give integers separated by commas", file=sys.stderr)
-        return 2
+    draws = args.draws
     timm = {m: rs for m, rs in by_model(memory_rows()).items() if len(rs) == 5}
     with tempfile.TemporaryDirectory() as tmp:
         result: dict[str, Any] = {"unseen_batch": unseen_batch(Path(tmp) / "batch", timm)}
