@@ -110,6 +110,9 @@ MODEL_FAULTS: dict[str, bytes] = {
     "negative-size": _with(lambda d: d["history"].update(families={"f": {"n": 4, "params_b": -1e6, "b": 1.0}})),
     "arch-unknown-family": _with(lambda d: d["history"].update(archs={"resnetN": ["nowhere"]})),
     "runtime-upper-not-trees": _with(lambda d: d.update(runtime_upper={"trees": 3})),
+    "card-offset-string": _with(lambda d: d["history"].update(type_offsets={"v100": "300"})),
+    "card-offset-huge": _with(lambda d: d["history"].update(type_offsets={"v100": -1e9})),
+    "card-offsets-not-table": _with(lambda d: d["history"].update(type_offsets=[300.0])),
 }
 
 
