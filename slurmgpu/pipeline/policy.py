@@ -429,6 +429,7 @@ class ModelDecider:
             limits[(c.gpu_type, c.gpus)] = longer
             return True
         in_time = [c for c in enough if c is not None and home(c) is not None and timely(c)]
+        in_time_all = [c for c in table if not c.fits and home(c) is not None and timely(c)] if not new_family else []
 
         def rank(c: Candidate) -> float:
             """The candidate's score against the request as asked (lower is better)."""
@@ -463,15 +464,14 @@ class ModelDecider:
             # where that estimate rests on more than the parameter count. Only without measured peaks: with
             # them the calibrated margin decides (the scenario, seed 7 at load 0.9: the same rule took OOMs
             # 78 -> 65 but the mean JCT 2.82 -> 2.88 h, 1.30x the oracle's).
-            types = cfg.gpu_types
-            over = memory.estimate_mib(sf, req, types[baseline.gpu_type], baseline.gpus)
+            types, estimated = cfg.gpu_types, self.candidates.memory.estimate_mib
+            over = estimated(sf, req, types[baseline.gpu_type], baseline.gpus)
             if over > types[baseline.gpu_type].memory_gib * 1024:
-                held = [(c, e) for c in table if c.gpus == req_total
+                held = [(c, e) for c in in_time_all if c.gpus == req_total
                         and types[c.gpu_type].memory_gib > types[baseline.gpu_type].memory_gib
-                        and (e := memory.estimate_mib(sf, req, types[c.gpu_type], c.gpus))
-                        <= types[c.gpu_type].memory_gib * 1024 and home(c) is not None and timely(c)]
+                        and (e := estimated(sf, req, types[c.gpu_type], c.gpus)) <= types[c.gpu_type].memory_gib * 1024]
                 if held:
-                    best, on_best = min(held, key=lambda ce: _done(ce[0]))
+                    best, on_best = min(held, key=lambda ce: rank(ce[0]))
                     roomy = (over, on_best)
         gain = 1.0 - rank(best) / rank(baseline) if best is not None else 0.0
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
@@ -516,8 +516,7 @@ class ModelDecider:
         if freed is None and weak:
             return self._keep(rule, f"model: best choice gains {gain:.0%} (< {policy.min_gain:.0%})", per_type, hint)
         late = ""  # the card that holds it with the doubted margin, where another is taken for being late
-        if not new_family and not baseline.fits and freed is None and roomy is None and \
-                _done(best) > AS_ASKED_LATE * _done(baseline):
+        if not new_family and not baseline.fits and freed is None and _done(best) > AS_ASKED_LATE * _done(baseline):
             types, plain = self.config.gpu_types, 1 + policy.memory_margin
             nearer = min((c for c in table if c.gpus == best.gpus and c.margin > policy.memory_margin
                           and types[c.gpu_type].memory_gib > types[baseline.gpu_type].memory_gib
