@@ -60,18 +60,13 @@ class MemoryBound:
         job at batch 128 was kept on the 12 GiB K80 it asked for, whose outcomes at that batch were
         none, as were the 16 GiB cards', and ran out of memory there)."""
         fits = peak_mib * (1 + margin) <= gt.memory_gib * 1024
-        outcomes_only = self.outcomes_only
+        outcomes_only = getattr(self.bundle, "memory_source", "telemetry") == "outcomes"
         if fits and not outcomes_only:  # the family's outcomes are read only where they can decide
             return True
         held = self.bundle.history.held_bound_gib(sf["family"], sf["log_tokens"], gpus)
         by_outcome = held is not None and held <= gt.memory_gib
         as_asked = asked_gib is not None and peak_mib * (1 + margin) <= asked_gib * 1024
         return (by_outcome or as_asked) if outcomes_only else by_outcome
-
-    @property
-    def outcomes_only(self) -> bool:
-        """Whether the bundle learned from outcomes alone (no GPU-memory field in its history)."""
-        return getattr(self.bundle, "memory_source", "telemetry") == "outcomes"
 
     def grounded(self, sf: Mapping[str, Any]) -> bool:
         """Whether the job's estimate rests on measurements (its family's peaks, its architecture's,

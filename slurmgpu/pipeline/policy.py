@@ -457,13 +457,10 @@ class ModelDecider:
         risky = min((c for c in in_time if c not in choices), key=rank, default=None)
         best = prior_ranked(cfg, min(choices, key=rank, default=None), baseline, choices, rank)
         roomy: tuple[float, float] | None = None  # (estimate as asked, estimate on best): the roomier card taken
-        memory = self.candidates.memory
-        if best is None and not new_family and not baseline.fits and memory.outcomes_only and memory.grounded(sf):
+        if best is None and not new_family and not baseline.fits and self.candidates.memory.grounded(sf):
             # No card holds the bound. Where even the estimate overflows the asked card, a larger one that
             # holds the estimate is the job's chance (as asked it runs out of memory by the estimate itself),
-            # where that estimate rests on more than the parameter count. Only without measured peaks: with
-            # them the calibrated margin decides (the scenario, seed 7 at load 0.9: the same rule took OOMs
-            # 78 -> 65 but the mean JCT 2.82 -> 2.88 h, 1.30x the oracle's).
+            # where that estimate rests on more than the parameter count.
             types, estimated = cfg.gpu_types, self.candidates.memory.estimate_mib
             over = estimated(sf, req, types[baseline.gpu_type], baseline.gpus)
             if over > types[baseline.gpu_type].memory_gib * 1024:
