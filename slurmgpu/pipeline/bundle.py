@@ -215,32 +215,18 @@ class StackedTrees:
         return [list(scale * values[start:end].cumsum(axis=0)[-1] + bias) for scale, bias, start, end in self.parts]
 
 
-# Bytes a training run holds per activation a model's forward pass counts (timm's published count),
-# in 32-bit floats: the median over GPUMemNet's timm sweep (513 models on an A100, batch 8-128) of
-# each model's peak growth per batch over its activation count (10.5 MiB per million: the output,
-# its gradient and what normalisation and the optimizer's step keep).
-ACT_BYTES_FP32 = 11.0
-
-
-def analytic_base_mib(f: Mapping[str, float], counts: tuple[float, float] | None = None) -> float:
+def analytic_base_mib(f: Mapping[str, float]) -> float:
     """A physics-style estimate of per-GPU peak memory for a family with no history.
 
     Weights, gradients and Adam state by precision (LoRA trains ~1% of the weights; ZeRO shards
-    optimizer state and gradients), activations linear in tokens, plus framework overhead. The
-    activations by the model's published count per token (``features.published_counts``: COUNTS)
-    where known, else by a square-root rule in the parameters (for an image model that named no
-    image size, a ResNet-50 came to 1.3 GiB at every batch, where it measures 5.1 GiB at batch 32).
+    optimizer state and gradients), activations linear in tokens, plus framework overhead.
     """
     params = f["params_b"] * 1e9
     wbytes, state = _weight_bytes(f), _state_bytes(f)
     if f["zero"] >= 1:
         state /= max(f["gpus"], 1.0)
-    ckpt = 0.3 if f["ckpt"] else 1.0
-    if counts is not None:
-        activations = counts[1] * 1e6 * ACT_BYTES_FP32 * f["precision_bits"] / 32 * ckpt * math.exp(f["log_tokens"])
-    else:
-        act_per_token = 2e3 * math.sqrt(max(params, 1e6)) / 1e3 * ckpt
-        activations = act_per_token * math.exp(f["log_tokens"]) * f["precision_bits"] / 8
+    act_per_token = 2e3 * math.sqrt(max(params, 1e6)) / 1e3 * (0.3 if f["ckpt"] else 1.0)
+    activations = act_per_token * math.exp(f["log_tokens"]) * f["precision_bits"] / 8
     return (params * wbytes + state + activations) / 2**20 + 800.0
 
 
@@ -401,7 +387,7 @@ def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: 
             else None)
     measured_base = (family_base_mib(f, history.family(script["family"]))
                      or arch_base_mib(f, history.siblings(script), script) or site)
-    return on_card(measured_base, f) if measured_base else analytic_base_mib(f, published_counts(script))
+    return on_card(measured_base, f) if measured_base else analytic_base_mib(f)
 
 
 def on_card(base: float, f: Mapping[str, float]) -> float:

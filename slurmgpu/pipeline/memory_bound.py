@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from slurmgpu.pipeline.config import Config, GpuType, Partition
-from slurmgpu.pipeline.features import base_kind, log_size, published_counts
+from slurmgpu.pipeline.features import log_size
 from slurmgpu.pipeline.request import JobRequest
 
 # Memory and runtime on a type or count the job family has never run on: its figures are a
@@ -67,14 +67,6 @@ class MemoryBound:
         by_outcome = held is not None and held <= gt.memory_gib
         as_asked = asked_gib is not None and peak_mib * (1 + margin) <= asked_gib * 1024
         return (by_outcome or as_asked) if outcomes_only else by_outcome
-
-    def grounded(self, sf: Mapping[str, Any]) -> bool:
-        """Whether the job's estimate rests on measurements (its family's peaks, its architecture's,
-        the site's line: ``features.base_kind``) or on its model's published counts, not on a rule in
-        the parameter count alone (which put a Llama job that needs 168 GiB at 39 GiB)."""
-        history = self.bundle.history
-        return published_counts(sf) is not None or \
-            base_kind(history.family(sf["family"]), history.siblings(sf), sf, history) != 0
 
     def fit_words(self, c: Row, sf: Mapping[str, Any], asked_gpus: int) -> str:
         """Why a fitting choice fits, in the reason: its predicted peak, or the family's outcomes

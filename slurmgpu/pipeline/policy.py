@@ -429,7 +429,6 @@ class ModelDecider:
             limits[(c.gpu_type, c.gpus)] = longer
             return True
         in_time = [c for c in enough if c is not None and home(c) is not None and timely(c)]
-        in_time_all = [c for c in table if not c.fits and home(c) is not None and timely(c)] if not new_family else []
 
         def rank(c: Candidate) -> float:
             """The candidate's score against the request as asked (lower is better)."""
@@ -456,20 +455,6 @@ class ModelDecider:
                    and math.isfinite(rank(c))]
         risky = min((c for c in in_time if c not in choices), key=rank, default=None)
         best = prior_ranked(cfg, min(choices, key=rank, default=None), baseline, choices, rank)
-        roomy: tuple[float, float] | None = None  # (estimate as asked, estimate on best): the roomier card taken
-        if best is None and not new_family and not baseline.fits and self.candidates.memory.grounded(sf):
-            # No card holds the bound. Where even the estimate overflows the asked card, a larger one that
-            # holds the estimate is the job's chance (as asked it runs out of memory by the estimate itself),
-            # where that estimate rests on more than the parameter count.
-            types, estimated = cfg.gpu_types, self.candidates.memory.estimate_mib
-            over = estimated(sf, req, types[baseline.gpu_type], baseline.gpus)
-            if over > types[baseline.gpu_type].memory_gib * 1024:
-                held = [(c, e) for c in in_time_all if c.gpus == req_total
-                        and types[c.gpu_type].memory_gib > types[baseline.gpu_type].memory_gib
-                        and (e := estimated(sf, req, types[c.gpu_type], c.gpus)) <= types[c.gpu_type].memory_gib * 1024]
-                if held:
-                    best, on_best = min(held, key=lambda ce: rank(ce[0]))
-                    roomy = (over, on_best)
         gain = 1.0 - rank(best) / rank(baseline) if best is not None else 0.0
         hint = ""  # what would make the request as asked fit (or how close it runs): part of the reason
         if new_family:
@@ -559,11 +544,6 @@ class ModelDecider:
             why = (f"{too_new}: only a card at least as large and fast as asked; {best.gpus} x {best.gpu_type} "
                    f"({best_gt.memory_gib:g} GiB, speed {best_gt.relative_speed:g} vs {asked_gt.memory_gib:g} GiB, "
                    f"{asked_gt.relative_speed:g}) {finish}")
-        elif roomy is not None:
-            asked_gt, best_gt = cfg.gpu_types[baseline.gpu_type], cfg.gpu_types[best.gpu_type]
-            why = (f"model: estimated peak {roomy[0] / 1024:.1f} GiB per GPU exceeds the {asked_gt.memory_gib:g} GiB "
-                   f"of {baseline.gpu_type} and no card holds it with a margin; {best.gpus} x {best.gpu_type} "
-                   f"({best_gt.memory_gib:g} GiB) holds the estimate of {roomy[1] / 1024:.1f} GiB, {times}{hint}")
         elif not baseline.fits:
             why = (f"model: predicted peak {baseline.pred_peak_mem_mib / 1024:.1f} GiB per GPU does not fit "
                    f"{baseline.gpu_type} (with the {baseline.margin:.0%} margin); {best.gpus} x {best.gpu_type}: "
