@@ -221,12 +221,17 @@ def test_peak_memory_on_every_gpu_generation_at_batches_never_run(tmp_path: Path
     figure shown is under-predicted less than 1 time in 10, and errs less."""
     config, peaks, engine = generations_history(tmp_path, seed=0, cards_a_batch=2)
 
+    said: list[str] = []
+
     def judged() -> tuple[Bundle, dict[str, float], dict[str, float]]:
-        bundle = train.fit(train.history_rows(engine), config, iterations=300)[0]
+        bundle = train.fit(train.history_rows(engine), config, iterations=300, progress=said.append)[0]
         return bundle, *generations_judged(bundle, config, peaks)
 
     bundle, estimate, shown = judged()
     offsets = bundle.history.type_offsets
+    # train says what it learned, with the figures it keeps
+    line = next(s for s in said if s.startswith("card memory offsets: "))
+    assert all(f"{card} {v:+.0f} MiB" in line for card, v in offsets.items()) and len(offsets) == 6, said
     print(f"card offsets {offsets}; estimate {estimate}, shown {shown}")
     assert min(offsets["titan_v"], offsets["tesla_v100"]) - max(
         offsets[c] for c in ("gtx_1080", "gtx_1080_ti", "titan_x_pascal") if c in offsets) > 300, offsets

@@ -440,6 +440,9 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         cut = int(len(mem) * 0.8)
         fit_part, calib = mem[:cut], mem[cut:]
         progress(f"memory model on {len(fit_part)} jobs with GPU memory, calibrated on {len(calib)}")
+        offsets = snapshot.type_offsets
+        progress("card memory offsets: " + (", ".join(f"{card} {v:+.0f} MiB" for card, v in offsets.items()) if offsets
+                                            else "none (no card differs in the matched runs of 4 or more families)"))
         mem_predict, mem_trees = _trees([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part],
                                         "RMSE", iterations, MONOTONE["memory"], IGNORED["memory"])
         # Per stratum, the estimate with the narrower upper quantile on the calibration jobs: the
