@@ -440,8 +440,8 @@ def fit(rows: list[dict[str, Any]], config: Config, quantile: float = 0.995, ite
         cut = int(len(mem) * 0.8)
         fit_part, calib = mem[:cut], mem[cut:]
         progress(f"memory model on {len(fit_part)} jobs with GPU memory, calibrated on {len(calib)}")
-        offsets = snapshot.type_offsets
-        progress("card memory offsets: " + (", ".join(f"{card} {v:+.0f} MiB" for card, v in offsets.items()) if offsets
+        cards = snapshot.type_offsets
+        progress("card memory offsets: " + (", ".join(f"{card} {v:+.0f} MiB" for card, v in cards.items()) if cards
                                             else "none (no card differs in the matched runs of 4 or more families)"))
         mem_predict, mem_trees = _trees([e["x"] for e in fit_part], [math.log(e["peak"] / e["base"]) for e in fit_part],
                                         "RMSE", iterations, MONOTONE["memory"], IGNORED["memory"])
@@ -585,7 +585,7 @@ def _size_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> dict[str, l
         kind = base_kind({}, siblings, script)
         estimate = arch_base_mib(f, siblings, script)
         if estimate:
-            estimate = on_card(estimate, {TYPE_OFFSET: e[TYPE_OFFSET]})
+            estimate = on_card(estimate, e[TYPE_OFFSET])
             stratum = memory_stratum([*e["x"][:_BASE_KIND], kind, *e["x"][_BASE_KIND + 1:]])
             for key in (stratum, f"{stratum}@{script['arch']}"):  # all architectures, and this one's own
                 gaps.setdefault(key, []).append(math.log(e["peak"] / estimate))
@@ -609,7 +609,7 @@ def _arch_gaps(mem: list[dict[str, Any]], snapshot: HistoryStats) -> list[float]
             lines[key] = counts_line((fam for k, fam in snapshot.families.items() if k not in own), bits)
         estimate = site_base_mib(dict(zip(NUMERIC, e["x"], strict=True)), script, lines[key])
         if estimate:
-            gaps.append(math.log(e["peak"] / on_card(estimate, {TYPE_OFFSET: e[TYPE_OFFSET]})))
+            gaps.append(math.log(e["peak"] / on_card(estimate, e[TYPE_OFFSET])))
     return gaps
 
 

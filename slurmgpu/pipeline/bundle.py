@@ -383,17 +383,18 @@ def memory_base_mib(f: Mapping[str, float], script: Mapping[str, Any], history: 
     """The estimate the memory model's learned ratio multiplies (``base_kind`` in the features says
     which): the family's own peaks, else its architecture's other sizes, else the site's models by
     their published counts, else the analytic prior."""
-    site = (site_base_mib(f, script, history.counts_line(f["precision_bits"])) if f["base_kind"] == SITE_KIND
-            else None)
-    measured_base = (family_base_mib(f, history.family(script["family"]))
-                     or arch_base_mib(f, history.siblings(script), script) or site)
-    return on_card(measured_base, f) if measured_base else analytic_base_mib(f)
+    if f["base_kind"] == SITE_KIND:  # neither the family nor its architecture has measured peaks
+        measured_base = site_base_mib(f, script, history.counts_line(f["precision_bits"]))
+    else:
+        measured_base = (family_base_mib(f, history.family(script["family"]))
+                         or arch_base_mib(f, history.siblings(script), script))
+    return on_card(measured_base, f.get(TYPE_OFFSET, 0.0)) if measured_base else analytic_base_mib(f)
 
 
-def on_card(base: float, f: Mapping[str, float]) -> float:
+def on_card(base: float, offset_mib: float) -> float:
     """An estimate made of measured peaks (kept without their cards' offsets) on the job's card:
     plus its offset (``features.TYPE_OFFSET``), never below 1 MiB."""
-    return max(base + f.get(TYPE_OFFSET, 0.0), 1.0)
+    return max(base + offset_mib, 1.0)
 
 
 def _offset(value: Any, where: str) -> float:

@@ -485,8 +485,8 @@ def counts_line(families: Iterable[Mapping[str, Any]], bits: float) -> CountsLin
     fits = sized_fits(fam for fam in families if fam.get("bits") == bits)
     if len(fits) < SITE_LINE_MIN or len({p for p, _, _, _ in fits}) < 2:
         return None
+    per_param = max(slope((p, a) for p, _, a, _ in fits), 0.0)
     mp, ma = (sum(v[i] for v in fits) / len(fits) for i in (0, 2))
-    per_param = max(sum((p - mp) * (a - ma) for p, _, a, _ in fits) / sum((p - mp) ** 2 for p, _, _, _ in fits), 0.0)
     costs = sorted(b / x for _, x, _, b in fits)
     return CountsLine(max(ma - per_param * mp, 0.0), per_param, costs[len(costs) // 2])
 
